@@ -1,0 +1,174 @@
+"""Actuation: the one narrow adapter that changes a model on the server.
+
+`Actuator.apply(model, target)`:
+  1. GET the live config (a config override is parsed as a complete ModelConfig, so we always
+     start from the whole live config, never from the file);
+  2. change `instance_group[0].count` and/or `dynamic_batching.max_queue_delay_microseconds`;
+  3. load it with the override (gRPC by default: HTTP loads block HTTP inference workers);
+  4. wait until the model is READY and read the config back to confirm.
+On failure the server keeps serving the old model; we read back what is live and report it.
+
+Only the instance count changed -> Triton updates instances in place (cheap). The delay changed
+-> a full reload (a second copy loads before the first goes: double memory for a few seconds).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from .types import Settings
+
+log = logging.getLogger("controller.actuation")
+
+
+class ActuationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    ok: bool
+    kind: str                 # "in_place" | "full_reload" | "none"
+    live: Settings | None     # what the server runs after the attempt (None if unreadable)
+    seconds: float
+    error: str = ""
+
+
+def settings_of(config: dict) -> Settings:
+    """The two knobs as they stand in a ModelConfig JSON (total count over instance groups)."""
+    groups = config.get("instance_group") or [{"count": 1}]
+    count = sum(int(g.get("count", 1)) for g in groups)
+    batching = config.get("dynamic_batching")
+    delay = int((batching or {}).get("max_queue_delay_microseconds", 0) or 0)
+    return Settings(instance_count=count, max_queue_delay_us=delay)
+
+
+def has_dynamic_batching(config: dict) -> bool:
+    return "dynamic_batching" in config
+
+
+def with_settings(config: dict, target: Settings) -> dict:
+    """A copy of `config` running `target`. Extra or missing instances go to/from the first group."""
+    new = copy.deepcopy(config)
+    groups = new.get("instance_group") or [{"count": 1}]
+    new["instance_group"] = groups
+    others = sum(int(g.get("count", 1)) for g in groups[1:])
+    first = target.instance_count - others
+    if first < 1:
+        raise ActuationError(f"cannot run {target.instance_count} instances: the other instance groups already have {others}")
+    groups[0]["count"] = first
+    if has_dynamic_batching(new):
+        new["dynamic_batching"]["max_queue_delay_microseconds"] = str(target.max_queue_delay_us)
+    elif target.max_queue_delay_us:
+        raise ActuationError("the model has no dynamic_batching section; its queue delay cannot be set")
+    return new
+
+
+class TritonControl:
+    """The few repository/health calls the controller makes, over gRPC or HTTP."""
+
+    def __init__(self, grpc_url: str, http_url: str, protocol: str = "grpc", headers: dict | None = None,
+                 timeout_s: float = 10.0, load_timeout_s: float = 120.0):
+        self.protocol = protocol
+        self.headers = dict(headers or {})
+        self.timeout_s = timeout_s
+        self.load_timeout_s = load_timeout_s
+        if protocol == "grpc":
+            import tritonclient.grpc as grpcclient
+            self._client = grpcclient.InferenceServerClient(grpc_url)
+        else:
+            import tritonclient.http as httpclient
+            self._client = httpclient.InferenceServerClient(http_url, connection_timeout=timeout_s,
+                                                            network_timeout=max(timeout_s, load_timeout_s))
+
+    def _kw(self, timeout: float | None = None) -> dict:
+        kw = {"headers": self.headers} if self.headers else {}
+        if self.protocol == "grpc":
+            kw["client_timeout"] = timeout or self.timeout_s
+        return kw
+
+    def live(self) -> bool:
+        return bool(self._client.is_server_live(**self._kw()))
+
+    def ready(self, model: str) -> bool:
+        return bool(self._client.is_model_ready(model, **self._kw()))
+
+    def config(self, model: str) -> dict:
+        if self.protocol == "grpc":
+            cfg = self._client.get_model_config(model, as_json=True, **self._kw())
+            return cfg["config"]   # proto field names; int64 as strings: fine for a load override
+        return self._client.get_model_config(model, **self._kw())
+
+    def load(self, model: str, config: dict | None = None) -> None:
+        kw = self._kw(self.load_timeout_s)
+        if config is None:
+            self._client.load_model(model, **kw)
+        else:
+            self._client.load_model(model, config=json.dumps(config), **kw)
+
+    def repository_index(self) -> list[dict]:
+        if self.protocol == "grpc":
+            idx = self._client.get_model_repository_index(as_json=True, **self._kw())
+            return idx.get("models", [])
+        return self._client.get_model_repository_index(**self._kw())
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+
+
+class Actuator:
+    def __init__(self, control: TritonControl, ready_timeout_s: float = 120.0):
+        self.control = control
+        self.ready_timeout_s = ready_timeout_s
+
+    def read(self, model: str) -> tuple[dict, Settings]:
+        cfg = self.control.config(model)
+        return cfg, settings_of(cfg)
+
+    def apply(self, model: str, target: Settings) -> ApplyResult:
+        t0 = time.monotonic()
+        try:
+            live_cfg, live = self.read(model)
+        except Exception as e:  # noqa: BLE001 - any client error is a failed attempt, not a crash
+            return ApplyResult(False, "none", None, time.monotonic() - t0, f"cannot read live config: {_msg(e)}")
+        if live == target:
+            return ApplyResult(True, "none", live, time.monotonic() - t0)
+        kind = "in_place" if live.max_queue_delay_us == target.max_queue_delay_us else "full_reload"
+        try:
+            new_cfg = with_settings(live_cfg, target)
+            self.control.load(model, new_cfg)
+            self._wait_ready(model)
+            _, after = self.read(model)
+        except Exception as e:  # noqa: BLE001
+            after = self._read_quietly(model)
+            return ApplyResult(False, kind, after, time.monotonic() - t0, _msg(e))
+        if after != target:
+            return ApplyResult(False, kind, after, time.monotonic() - t0,
+                               f"server reports {after} after loading {target}")
+        return ApplyResult(True, kind, after, time.monotonic() - t0)
+
+    def _wait_ready(self, model: str) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.control.ready(model):
+                return
+            time.sleep(0.1)
+        raise ActuationError(f"model {model} not READY {self.ready_timeout_s:g} s after load")
+
+    def _read_quietly(self, model: str) -> Settings | None:
+        try:
+            return self.read(model)[1]
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def _msg(e: Exception) -> str:
+    text = getattr(e, "message", None)
+    text = text() if callable(text) else text
+    return " ".join(str(text or e).split())[:500]

@@ -1,0 +1,260 @@
+"""`python -m controller <verb>` (also installed as `triton-autotune`).
+
+Verbs: serve (tritonserver + controller), run (controller beside a running server), status.
+Every user error ends in one line on stderr and a non-zero exit: 2 for bad arguments or
+configuration, 1 for a server or runtime failure. Never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .config import ConfigError, ControllerConfig, ServerConfig, load_config
+from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer
+
+log = logging.getLogger("controller")
+
+ADMIN_HEADER = "admin-key"
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, 65535], got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, 65535], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m controller", description="Tune Triton instance counts and batching delay online.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("serve", help="start tritonserver with a model repository and run the controller beside it")
+    s.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository (default: the shipped one)")
+    s.add_argument("--config", type=Path, help="controller YAML (default: manage every model with the defaults)")
+    s.add_argument("--models", help="comma-separated models to load (default: every model in the repository)")
+    s.add_argument("--tritonserver", help="server binary (default: tritonserver on PATH, else the nvidia-pytriton one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    s.add_argument("--http-port", type=_port, default=8000)
+    s.add_argument("--grpc-port", type=_port, default=8001)
+    s.add_argument("--metrics-port", type=_port, default=8002)
+    s.add_argument("--controller-metrics-port", type=_port, help="serve the controller's own metrics here")
+    s.add_argument("--decision-log", help="JSONL decision log (default: none, or the config's)")
+    s.add_argument("--dry-run", action="store_true", help="decide and log, change nothing")
+    s.add_argument("--no-controller", action="store_true", help="only start the server")
+    s.add_argument("--no-auth", action="store_true", help="leave the repository API open (default: guarded by a generated key)")
+    s.add_argument("--duration-s", type=float, help="stop by itself after this many seconds (tests, demos)")
+
+    r = sub.add_parser("run", help="run the controller against a running server (e.g. the NGC container)")
+    r.add_argument("--config", type=Path, help="controller YAML (default: loopback ports 8000/8001/8002)")
+    r.add_argument("--dry-run", action="store_true", help="decide and log, change nothing")
+    r.add_argument("--duration-s", type=float, help="stop by itself after this many seconds")
+    r.add_argument("--decision-log", help="JSONL decision log (overrides the config)")
+
+    st = sub.add_parser("status", help="print each managed model's live config and recent decisions")
+    st.add_argument("--config", type=Path, help="controller YAML (for the server address and decision log)")
+    st.add_argument("--decision-log", help="read recent decisions from this JSONL file")
+    st.add_argument("--last", type=int, default=5, help="decisions to show per model")
+    return p
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    def handler(signum, _frame):
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _with_overrides(cfg: ControllerConfig, args) -> ControllerConfig:
+    loop = cfg.loop
+    if getattr(args, "dry_run", False):
+        loop = dataclasses.replace(loop, dry_run=True)
+    if getattr(args, "decision_log", None):
+        loop = dataclasses.replace(loop, decision_log=args.decision_log)
+    if getattr(args, "controller_metrics_port", None):
+        loop = dataclasses.replace(loop, metrics_port=args.controller_metrics_port)
+    return dataclasses.replace(cfg, loop=loop)
+
+
+def _run_controller(cfg: ControllerConfig, stop: threading.Event) -> None:
+    from .loop import Controller
+    controller = Controller(cfg)
+    if cfg.loop.metrics_port:
+        controller.metrics.serve(cfg.loop.metrics_port)
+        log.info("controller metrics on http://127.0.0.1:%d/metrics", cfg.loop.metrics_port)
+    try:
+        controller.run(stop)
+    finally:
+        controller.close()
+
+
+def _wait_for_server(server: ServerConfig, stop: threading.Event, headers: dict) -> bool:
+    """Wait, with backoff, until the server is live. False if stopped first."""
+    from .actuation import TritonControl
+    delay, said = 1.0, False
+    while not stop.is_set():
+        control = TritonControl(server.grpc_url, server.http_url, server.control_protocol, headers, timeout_s=server.timeout_s)
+        try:
+            if control.live():
+                return True
+        except Exception as e:  # noqa: BLE001
+            if not said:
+                log.warning("server at %s (%s) is not reachable (%s); retrying with backoff", server.grpc_url if
+                            server.control_protocol == "grpc" else server.http_url, server.control_protocol, " ".join(str(e).split())[:150])
+                said = True
+        finally:
+            control.close()
+        stop.wait(delay)
+        delay = min(delay * 2, 30.0)
+    return False
+
+
+# ---- verbs ----------------------------------------------------------------------------------
+
+def cmd_serve(args) -> int:
+    cfg = _with_overrides(load_config(args.config), args)
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    restricted = None
+    if not args.no_auth:
+        key = os.environ.get(cfg.server.auth_key_env) or secrets.token_urlsafe(24)
+        os.environ[cfg.server.auth_key_env] = key
+        restricted = (ADMIN_HEADER, key)
+    options = ServerOptions(repository=args.repository, host=args.host, http_port=args.http_port,
+                            grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                            tritonserver=args.tritonserver, models=models, restricted_key=restricted)
+    stop = threading.Event()
+    _install_signal_handlers(stop)
+    t0 = time.monotonic()
+    server = TritonServer(options)
+    server.start()
+    try:
+        print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: HTTP {server.http_url}, gRPC {server.grpc_url}, "
+              f"metrics {server.metrics_url}", flush=True)
+        if restricted:
+            key_file = server.workdir / "admin-key"
+            key_file.touch(mode=0o600)
+            key_file.write_text(restricted[1])
+            print(f"repository API restricted: send header '{ADMIN_HEADER}' with the value in {key_file} "
+                  f"(or set {cfg.server.auth_key_env} before starting to choose it; --no-auth to disable)", flush=True)
+        print(f"server log: {server.log_path}", flush=True)
+        if args.duration_s:
+            threading.Timer(args.duration_s, stop.set).start()
+        if args.no_controller:
+            while not stop.wait(0.5):
+                if server.process.poll() is not None:
+                    raise ServerError(f"tritonserver exited with code {server.process.returncode}: {server.log_tail()}")
+            return 0
+        server_cfg = dataclasses.replace(
+            cfg.server, http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
+            auth_header=ADMIN_HEADER if restricted else cfg.server.auth_header)
+        cfg = dataclasses.replace(cfg, server=server_cfg)
+        if not cfg.models:
+            cfg = cfg.with_models(models or _loaded_models(server))
+        print(f"controller managing {', '.join(cfg.models)} (p99 targets: "
+              f"{', '.join(f'{m} {lim.p99_target_ms:g} ms' for m, lim in cfg.models.items())})", flush=True)
+        _run_controller(cfg, stop)
+        return 0
+    finally:
+        server.stop()
+        print("stopped", flush=True)
+
+
+def _loaded_models(server: TritonServer) -> list[str]:
+    from .server import repository_models
+    return repository_models(server.options.repository)
+
+
+def cmd_run(args) -> int:
+    cfg = _with_overrides(load_config(args.config), args)
+    headers = cfg.server.auth_headers()
+    stop = threading.Event()
+    _install_signal_handlers(stop)
+    if args.duration_s:
+        threading.Timer(args.duration_s, stop.set).start()
+    if not _wait_for_server(cfg.server, stop, headers):
+        return 0
+    _run_controller(cfg, stop)
+    return 0
+
+
+def cmd_status(args) -> int:
+    import json
+    from .actuation import TritonControl, settings_of
+    cfg = _with_overrides(load_config(args.config), args)
+    s = cfg.server
+    control = TritonControl(s.grpc_url, s.http_url, s.control_protocol, cfg.server.auth_headers(), timeout_s=s.timeout_s)
+    try:
+        try:
+            index = control.repository_index()
+        except Exception as e:  # noqa: BLE001
+            raise ServerError(f"cannot reach the server at {s.grpc_url if s.control_protocol == 'grpc' else s.http_url}: "
+                              f"{' '.join(str(e).split())[:150]}") from None
+        names = list(cfg.models) or sorted(m["name"] for m in index)
+        states = {m["name"]: m.get("state", "?") for m in index}
+        history: dict[str, list[dict]] = {}
+        if cfg.loop.decision_log and Path(cfg.loop.decision_log).exists():
+            for line in Path(cfg.loop.decision_log).read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                history.setdefault(rec.get("model"), []).append(rec)
+        for name in names:
+            state = states.get(name, "NOT IN REPOSITORY")
+            line = f"{name}: {state}"
+            if state == "READY":
+                live = settings_of(control.config(name))
+                line += f", {live.instance_count} instance(s), max_queue_delay_us {live.max_queue_delay_us}"
+            print(line)
+            for rec in history.get(name, [])[-args.last:]:
+                when = time.strftime("%H:%M:%S", time.localtime(rec.get("time", 0)))
+                tgt = rec.get("target") or {}
+                print(f"  {when} {rec.get('action'):8} {rec.get('reason'):26} -> {tgt.get('instances')} inst, "
+                      f"{tgt.get('delay_us')} us  {rec.get('detail') or ''}")
+        return 0
+    finally:
+        control.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    verbs = {"serve": cmd_serve, "run": cmd_run, "status": cmd_status}
+    try:
+        return verbs[args.verb](args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

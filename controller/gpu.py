@@ -1,0 +1,176 @@
+"""GPU signals behind one small interface, so no decision ever depends on NVML existing.
+
+`GpuSource.read()` returns one `GpuObservation` per device, `()` when there are no
+devices to report, or `None` when a read failed ("no data"). It never raises.
+
+* `NvmlSource`: NVML through `pynvml` (package `nvidia-ml-py`). Construction raises
+  `GpuUnavailable` when the library or the driver is missing.
+* `NullSource`: always `()` (CPU-only machines).
+* `FakeGpuSource`: a scripted sequence for tests.
+* `open_gpu_source(mode)`: picks one ("auto" falls back to `NullSource` with one info line).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any, Protocol, Union, runtime_checkable
+
+from controller.types import GpuObservation
+
+log = logging.getLogger("controller.gpu")
+
+Reading = Union[tuple[GpuObservation, ...], None]
+
+
+class GpuUnavailable(RuntimeError):
+    """NVML cannot be used here (library absent, no driver, init failed)."""
+
+
+@runtime_checkable
+class GpuSource(Protocol):
+    def read(self) -> tuple[GpuObservation, ...] | None:
+        """One observation per device; `()` for no devices; `None` for "no data"."""
+        ...
+
+
+class NullSource:
+    """No GPU: nothing to report, which is not a failure."""
+
+    def read(self) -> tuple[GpuObservation, ...]:
+        return ()
+
+
+class FakeGpuSource:
+    """Replays scripted readings; an `Exception` in the script is raised by that `read`.
+
+    After the script runs out the last entry repeats (an empty script reads `()`).
+    `calls` counts the reads.
+    """
+
+    def __init__(self, script: Iterable[Reading | BaseException]) -> None:
+        self.script = list(script)
+        self.calls = 0
+
+    def read(self) -> tuple[GpuObservation, ...] | None:
+        self.calls += 1
+        if not self.script:
+            return ()
+        item = self.script[min(self.calls, len(self.script)) - 1]
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def _import_pynvml() -> ModuleType:
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError as error:
+        raise GpuUnavailable(f"pynvml not installed: {error}") from error
+
+
+def _optional(pynvml: ModuleType, call: Any, *args: Any) -> Any:
+    """`call(*args)`, or None when NVML says the query is not supported on this device (MIG, old cards)."""
+    not_supported = getattr(pynvml, "NVMLError_NotSupported", None)
+    try:
+        return call(*args)
+    except Exception as error:  # noqa: BLE001
+        if not_supported is not None and isinstance(error, not_supported):
+            return None
+        raise
+
+
+def _process_memory(pynvml: ModuleType, handle: Any) -> tuple[tuple[int, int], ...]:
+    """(pid, used bytes) per compute process; () where NVML cannot say (containers, MIG, old drivers)."""
+    try:
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # noqa: BLE001  why: per-process memory is a nice-to-have, never a failed read
+        return ()
+    pairs = []
+    for process in processes or ():
+        pid, used = getattr(process, "pid", None), getattr(process, "usedGpuMemory", None)
+        if isinstance(pid, int) and isinstance(used, int) and used >= 0:
+            pairs.append((pid, used))
+    return tuple(pairs)
+
+
+def _read_device(pynvml: ModuleType, index: int) -> GpuObservation:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    utilization = _optional(pynvml, pynvml.nvmlDeviceGetUtilizationRates, handle)
+    memory = _optional(pynvml, pynvml.nvmlDeviceGetMemoryInfo, handle)
+    return GpuObservation(
+        index=index,
+        utilization_pct=float(utilization.gpu) if utilization is not None else None,
+        memory_used_bytes=int(memory.used) if memory is not None else None,
+        memory_total_bytes=int(memory.total) if memory is not None else None,
+        process_memory_bytes=_process_memory(pynvml, handle),
+    )
+
+
+class NvmlSource:
+    """NVML readings. `nvmlInit` runs once here; `GpuUnavailable` if it cannot.
+
+    A read that raises returns None and is retried at most once within the same call
+    (after re-running `nvmlInit`), so a broken driver costs two attempts per call, never a
+    spin. The first failure of a streak logs one warning; the first success after logs info.
+    """
+
+    def __init__(self, pynvml: ModuleType | None = None) -> None:
+        self._nvml = pynvml if pynvml is not None else _import_pynvml()
+        try:
+            self._nvml.nvmlInit()
+        except Exception as error:  # noqa: BLE001  why: NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            raise GpuUnavailable(f"nvmlInit failed: {error}") from error
+        self._failing = False
+
+    def _read_all(self) -> tuple[GpuObservation, ...]:
+        count = int(self._nvml.nvmlDeviceGetCount())
+        return tuple(_read_device(self._nvml, i) for i in range(count))
+
+    def read(self) -> tuple[GpuObservation, ...] | None:
+        try:
+            result = self._read_all()
+        except Exception as first_error:  # noqa: BLE001
+            result = self._retry_once(first_error)
+            if result is None:
+                return None
+        if self._failing:
+            log.info("NVML reads recovered")
+            self._failing = False
+        return result
+
+    def _retry_once(self, first_error: Exception) -> tuple[GpuObservation, ...] | None:
+        try:
+            self._nvml.nvmlInit()  # why: a driver reset can invalidate the old session
+            return self._read_all()
+        except Exception:  # noqa: BLE001
+            if not self._failing:
+                log.warning("NVML read failed (%s); GPU signals are no data until it recovers", first_error)
+            self._failing = True
+            return None
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001  why: shutting down a broken NVML must not fail the caller
+            pass
+
+
+def open_gpu_source(mode: str = "auto") -> GpuSource:
+    """"auto": NVML if it works, else `NullSource` and one info line; "nvml": NVML or
+    `GpuUnavailable`; "none": `NullSource`."""
+    if mode == "none":
+        return NullSource()
+    if mode == "nvml":
+        return NvmlSource()
+    if mode == "auto":
+        try:
+            return NvmlSource()
+        except GpuUnavailable as error:
+            log.info("NVML not available (%s); using CPU signals only", error)
+            return NullSource()
+    raise ValueError(f"gpu mode must be one of 'auto', 'nvml', 'none'; got {mode!r}")
+
+
+__all__ = ["GpuSource", "GpuUnavailable", "NvmlSource", "NullSource", "FakeGpuSource", "open_gpu_source"]

@@ -1,0 +1,292 @@
+"""The control loop: scrape -> observe -> decide -> apply, once per `interval_s`, per model.
+
+One `Controller` manages the models named in its config (or every READY model). Each tick:
+
+1. scrape `/metrics` once, read the devices (NVML, the simulated device, or nothing);
+2. per model: read the live config (a server restart or someone else's change is adopted, and
+   the policy then holds one full window), add the sample to the model's window and build an
+   observation over the data since the last change settled;
+3. `policy.decide`; log the decision (JSONL, only changes and reason transitions) and count it;
+4. if it is a change and not `dry_run`: apply through the actuator, one action at a time, and
+   record it in the policy's history only if it succeeded; a failure backs off.
+
+An unreachable server is "no data": the loop keeps running, logs once, and retries each tick.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import policy
+from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
+from .config import ControllerConfig, ModelLimits
+from .gpu import GpuSource, GpuUnavailable, NullSource, open_gpu_source
+from .signals import ModelCounters, ModelWindow, Scraper
+from .telemetry import ControllerMetrics
+from .types import Decision, GpuObservation, Observation, Settings
+
+log = logging.getLogger("controller.loop")
+
+SIM_MEMORY_METRIC = "sim_device_memory_bytes"
+
+
+@dataclass
+class ManagedModel:
+    name: str
+    limits: ModelLimits
+    window: ModelWindow
+    state: policy.PolicyState
+    current: Settings | None = None
+    max_batch_size: int = 0
+    last_reason: str = ""
+    last_decision: Decision | None = None
+    last_obs: Observation | None = None
+    reachable: bool = True
+    history: list[dict] = field(default_factory=list)   # recent decision records, newest last
+
+
+class DecisionLog:
+    """Append-only JSONL of decisions: every change and every change of reason."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if self.path is None:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def simulated_devices(scraped: dict[str, ModelCounters] | None, total_mb: float) -> tuple[GpuObservation, ...] | None:
+    """The SIMULATED device of the sim_accel model: memory = what its instances report."""
+    if scraped is None:
+        return None
+    used = [c.custom.get(SIM_MEMORY_METRIC) for c in scraped.values() if SIM_MEMORY_METRIC in c.custom]
+    if not used or any(u is None for u in used):
+        return ()
+    return (GpuObservation(index=0, utilization_pct=None, memory_used_bytes=int(sum(used)),
+                           memory_total_bytes=int(total_mb * 2**20)),)
+
+
+def summarize_obs(obs: Observation) -> dict:
+    if not obs.valid:
+        return {"valid": False, "why": obs.invalid_reason}
+    r = lambda x, n=2: None if x is None else round(x, n)  # noqa: E731
+    out = {"span_s": r(obs.span_s, 1), "arrival_rps": r(obs.arrival_rps, 1), "completion_rps": r(obs.completion_rps, 1),
+           "failure_rps": r(obs.failure_rps), "pending_mean": r(obs.pending_mean), "queue_ms": r(obs.queue_ms_per_request),
+           "compute_ms": r(obs.compute_ms_per_request), "p99_ms": r(obs.p99_ms), "p99_source": obs.p99_source,
+           "busy": r(obs.busy_fraction, 3), "avg_batch": r(obs.avg_batch_size)}
+    if obs.gpus:
+        out["mem_used_mb"] = r(sum(g.memory_used_bytes or 0 for g in obs.gpus) / 2**20, 1)
+    return out
+
+
+class Controller:
+    def __init__(self, config: ControllerConfig, *, control: TritonControl | None = None,
+                 scraper: Scraper | None = None, gpu: GpuSource | None = None,
+                 clock: Callable[[], float] = time.monotonic, metrics: ControllerMetrics | None = None):
+        self.config = config
+        self.clock = clock
+        s = config.server
+        headers = s.auth_headers()
+        self.control = control or TritonControl(s.grpc_url, s.http_url, s.control_protocol, headers,
+                                                timeout_s=s.timeout_s, load_timeout_s=config.loop.reload_timeout_s)
+        self.actuator = Actuator(self.control, ready_timeout_s=config.loop.reload_timeout_s)
+        self.scraper = scraper or Scraper(s.metrics_url, s.http_url, timeout_s=s.timeout_s, headers=headers)
+        self.gpu_mode = config.loop.gpu
+        self.gpu = gpu if gpu is not None else self._open_gpu(config.loop.gpu)
+        self.decision_log = DecisionLog(config.loop.decision_log)
+        self.metrics = metrics or ControllerMetrics()
+        self.models: dict[str, ManagedModel] = {}
+        self._stop = threading.Event()
+        self._simulating = False
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _open_gpu(self, mode: str) -> GpuSource:
+        if mode in ("auto", "nvml"):
+            try:
+                return open_gpu_source(mode)
+            except GpuUnavailable:
+                raise
+        if mode == "simulated":
+            self.gpu_mode = "simulated"
+        return NullSource()
+
+    def discover(self) -> list[str]:
+        """The models to manage: those in the config, else every READY model on the server."""
+        if self.config.models:
+            return list(self.config.models)
+        return sorted(m["name"] for m in self.control.repository_index() if m.get("state") == "READY")
+
+    def add_model(self, name: str, now: float) -> ManagedModel:
+        limits = self.config.limits_for(name)
+        mm = ManagedModel(name, limits, ModelWindow(max_age_s=max(600.0, 3 * self.config.loop.window_s)),
+                          policy.initial_state(now))
+        self.models[name] = mm
+        return mm
+
+    def _refresh_live(self, mm: ManagedModel, now: float) -> bool:
+        """Read the live config; adopt a change we did not make (restart, operator) and hold a window."""
+        try:
+            cfg = self.control.config(mm.name)
+        except Exception as e:  # noqa: BLE001 - unreachable server or unloaded model: no data this tick
+            if mm.reachable:
+                log.warning("%s: cannot read live config (%s); holding until it answers", mm.name, _short(e))
+            mm.reachable = False
+            return False
+        live = settings_of(cfg)
+        if not has_dynamic_batching(cfg) and mm.limits.max_delay_us:
+            mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
+        mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
+        if not mm.reachable:
+            log.info("%s: server answers again; live config %s", mm.name, live)
+        if mm.current is not None and live != mm.current:
+            log.info("%s: live config changed outside the controller (%s -> %s); holding one window", mm.name, mm.current, live)
+            mm.state = policy.initial_state(now)
+        mm.current = live
+        mm.reachable = True
+        return True
+
+    # -- one tick -------------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = self.clock()
+        if not self.models:
+            try:
+                for name in self.discover():
+                    self.add_model(name, now)
+            except Exception as e:  # noqa: BLE001
+                log.warning("cannot list models on the server (%s); retrying", _short(e))
+                return
+        scraped = self.scraper.metrics()
+        devices = self._devices(scraped)
+        for mm in self.models.values():
+            self._tick_model(mm, scraped, devices, now)
+
+    def _devices(self, scraped: dict[str, ModelCounters] | None) -> tuple[GpuObservation, ...]:
+        """NVML's devices; without NVML ("auto") or when asked, the SIMULATED device if a model reports one."""
+        self._simulating = False
+        if self.gpu_mode == "simulated" or (isinstance(self.gpu, NullSource) and self.gpu_mode == "auto"):
+            sim = simulated_devices(scraped, self.config.loop.simulated_device_memory_mb)
+            if sim:
+                self._simulating = True
+                return sim
+        return self.gpu.read() or ()
+
+    def _on_device(self, counters: ModelCounters | None) -> bool:
+        """With the simulated device, only models that report simulated memory live on it."""
+        if not self._simulating:
+            return True
+        return counters is not None and SIM_MEMORY_METRIC in counters.custom
+
+    def _tick_model(self, mm: ManagedModel, scraped, devices, now: float) -> None:
+        counters = None if scraped is None else scraped.get(mm.name)
+        mm.window.add(now, counters)
+        if not self._refresh_live(mm, now):
+            self._record(mm, _invalid_decision(mm), Observation(valid=False, invalid_reason="server_unreachable"), now, "hold")
+            return
+        loop = self.config.loop
+        fresh_from = mm.state.last_change_at + loop.settle_s
+        span = min(loop.window_s, max(0.0, now - fresh_from))
+        obs = mm.window.observe(now, span, mm.current.instance_count)
+        if obs.valid and devices and self._on_device(counters):
+            obs = dataclasses.replace(obs, gpus=devices)
+        mm.last_obs = obs
+        decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, loop, now, mm.max_batch_size)
+        mm.last_decision = decision
+        if not decision.valid or decision.target == mm.current:
+            self._record(mm, decision, obs, now, "hold")
+            return
+        if loop.dry_run:
+            self._record(mm, decision, obs, now, "dry_run")
+            # Pretend it settled so the dry-run log shows a realistic cadence, not a change every tick.
+            mm.state = dataclasses.replace(mm.state, last_change_at=now)
+            return
+        before = mm.current
+        result = self.actuator.apply(mm.name, decision.target)
+        self._after_apply(mm, decision, before, obs, result)
+
+    def _after_apply(self, mm: ManagedModel, decision: Decision, before: Settings, obs: Observation, result: ApplyResult) -> None:
+        now = self.clock()
+        if result.ok:
+            mm.state = policy.record_applied(mm.state, decision, before, obs, now)
+            mm.current = result.live
+            self.metrics.reload(mm.name, result.kind)
+            log.info("%s: %s -> %s (%s, %s in %.1f s) %s", mm.name, _fmt(before), _fmt(result.live), decision.reason,
+                     result.kind, result.seconds, decision.detail)
+            self._record(mm, decision, obs, now, "applied", result)
+        else:
+            mm.state = policy.record_failed(mm.state, decision, before, now, self.config.loop.failure_backoff_s)
+            if result.live is not None:
+                mm.current = result.live
+            self.metrics.failure(mm.name)
+            log.warning("%s: reload to %s failed after %.1f s: %s; keeping %s, next try not before %.0f s",
+                        mm.name, _fmt(decision.target), result.seconds, result.error,
+                        _fmt(mm.current) if mm.current else "unknown", mm.state.backoff_until - now)
+            self._record(mm, decision, obs, now, "failed", result)
+
+    def _record(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float, action: str,
+                result: ApplyResult | None = None) -> None:
+        self.metrics.decision(mm.name, decision.reason)
+        if mm.current is not None:
+            self.metrics.settings(mm.name, mm.current)
+        if obs.valid and obs.p99_ms is not None:
+            self.metrics.p99_ms(mm.name, obs.p99_ms)
+        if action == "hold" and decision.reason == mm.last_reason:
+            return
+        mm.last_reason = decision.reason
+        record = {"time": time.time(), "t": round(now, 3), "model": mm.name, "action": action,
+                  "reason": decision.reason, "detail": decision.detail,
+                  "current": _asdict(mm.current if action != "applied" else None) or None,
+                  "target": _asdict(decision.target), "obs": summarize_obs(obs)}
+        if result is not None:
+            record.update(kind=result.kind, apply_s=round(result.seconds, 2), error=result.error or None,
+                          live=_asdict(result.live))
+        mm.history = (mm.history + [record])[-50:]
+        self.decision_log.write(record)
+
+    # -- running ------------------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None, max_ticks: int | None = None) -> None:
+        stop = stop or self._stop
+        interval = self.config.loop.interval_s
+        ticks = 0
+        next_at = self.clock()
+        while not stop.is_set() and (max_ticks is None or ticks < max_ticks):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the loop must outlive any single bad tick
+                log.exception("controller tick failed; continuing")
+            ticks += 1
+            next_at += interval
+            stop.wait(max(0.0, next_at - self.clock()))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.control.close()
+
+
+def _invalid_decision(mm: ManagedModel) -> Decision:
+    cur = mm.current or Settings(0, 0)
+    return Decision(cur, "HoldServerUnreachable", valid=False)
+
+
+def _asdict(s: Settings | None) -> dict | None:
+    return None if s is None else {"instances": s.instance_count, "delay_us": s.max_queue_delay_us}
+
+
+def _fmt(s: Settings | None) -> str:
+    return "?" if s is None else f"{s.instance_count} inst/{s.max_queue_delay_us} us"
+
+
+def _short(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]

@@ -1,0 +1,370 @@
+"""The decision: a pure function from what was observed to the settings wanted next.
+
+`decide(obs, current, state, limits, loop, now)` returns `(Decision, new_state)`. It does no
+I/O and reads no clock. The loop calls `record_applied` / `record_failed` after actuation so
+that history only holds changes that really happened.
+
+Stages, in order (each a small function below, testable alone):
+
+1. gates       -- backoff after a failed reload, no data, warm-up after a (re)start, settling
+                  after a change: hold, and say which.
+2. memory      -- learn bytes per instance from the memory change a step caused.
+3. step review -- an instance just added that brought no throughput and no relief marks the
+                  model saturated at the smaller count and steps back (capacity on one device
+                  does not grow linearly; the HPA ratio rule would overshoot here).
+4. instances   -- queue building with p99 near the target: add one (or jump to a count that is
+                  known to have held this load), within min/max, the learned maximum, the
+                  saturation mark and the memory budget. Load low for `scale_down_delay_s`
+                  without a break: remove one. Asymmetric on purpose: up fast, down slowly.
+5. delay       -- only when the instance count stays: halve the batching delay when p99 nears
+                  the target or the load is light; add `delay_step_us` when the device is the
+                  limit (no instance can be added) and batches are small (AIMD).
+
+Everything the policy remembers is in `PolicyState`, explicit and timestamped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .config import LoopConfig, ModelLimits
+from .types import Decision, Observation, Settings
+
+# Thresholds, as fractions of the p99 target or of capacity. Named so the tests can speak of them.
+PRESSURE_P99_FRACTION = 0.8      # p99 above 80% of the target with queueing -> add capacity
+QUEUE_SHARE = 0.25               # queueing counts when queue time >= 25% of compute time
+BUSY_HIGH = 0.85                 # or instances busy >= 85% of the time
+LOW_P99_FRACTION = 0.5           # scale down only with p99 under half the target
+LOW_BUSY_AFTER = 0.6             # ... and the remaining instances would be <= 60% busy
+LIGHT_BUSY = 0.3                 # light load: instances busy < 30% and no queue
+PERF_MEMORY = 200                # perf points kept
+SATURATION_MEMORY_S = 300.0      # a saturation mark is trusted this long
+
+
+@dataclass(frozen=True)
+class PerfPoint:
+    """What one setting achieved at one load (used to jump straight to a known-good setting)."""
+
+    t: float
+    instance_count: int
+    max_queue_delay_us: int
+    arrival_rps: float
+    completion_rps: float
+    p99_ms: float | None
+    met_target: bool
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """An applied change and what the model did just before it."""
+
+    at: float
+    before: Settings
+    after: Settings
+    completion_rps_before: float
+    p99_ms_before: float | None
+    memory_used_before: int | None
+    reviewed: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    started_at: float
+    last_change_at: float = -math.inf
+    last_delay_change_at: float = -math.inf
+    last_step: StepRecord | None = None
+    low_since: float | None = None
+    saturated_at: int | None = None          # adding past this count brought nothing ...
+    saturated_until: float = -math.inf       # ... as of this long ago
+    learned_max_instances: int | None = None  # from failed loads (e.g. out of memory)
+    failures: int = 0
+    backoff_until: float = -math.inf
+    instance_memory_bytes: float | None = None
+    perf: tuple[PerfPoint, ...] = ()
+
+
+def initial_state(now: float) -> PolicyState:
+    """A fresh state: the policy holds for one full window from `now` (Knative's restart lesson)."""
+    return PolicyState(started_at=now)
+
+
+def _hold(current: Settings, reason: str, detail: str = "", valid: bool = True) -> Decision:
+    return Decision(target=current, reason=reason, valid=valid, detail=detail)
+
+
+# ---- stage 1: gates ------------------------------------------------------------------------------
+
+def gate(obs: Observation, current: Settings, state: PolicyState, loop: LoopConfig, now: float) -> Decision | None:
+    """A hold decision if the policy must not act now, else None."""
+    if now < state.backoff_until:
+        return _hold(current, "HoldBackoff", f"after {state.failures} failed reload(s), until t={state.backoff_until:.1f}")
+    if not obs.valid:
+        return _hold(current, "HoldNoData", valid=False)
+    if now - state.started_at < loop.window_s:
+        return _hold(current, "HoldWarmup", f"{now - state.started_at:.1f}/{loop.window_s:g} s of data since start")
+    if obs.since < state.last_change_at + loop.settle_s or obs.span_s < loop.min_span_s:
+        return _hold(current, "HoldSettling", f"{obs.span_s:.1f} s of data since the last change")
+    return None
+
+
+# ---- stage 2: memory ------------------------------------------------------------------------------
+
+def device_memory(obs: Observation) -> tuple[int | None, int | None]:
+    """(used, total) bytes summed over the devices observed; None where unknown."""
+    used = [g.memory_used_bytes for g in obs.gpus]
+    total = [g.memory_total_bytes for g in obs.gpus]
+    if not obs.gpus or any(u is None for u in used):
+        return None, None
+    return sum(used), (sum(total) if all(t is not None for t in total) else None)
+
+
+def memory_budget_bytes(limits: ModelLimits, total_bytes: int | None) -> float | None:
+    """The configured budget, else the device's total less the headroom; None if neither is known.
+
+    Example: a 80 GiB device with 10% headroom gives a budget of 72 GiB.
+    """
+    if limits.memory_budget_mb is not None:
+        return limits.memory_budget_mb * 2**20
+    if total_bytes:
+        return total_bytes * (1 - limits.memory_headroom_pct / 100)
+    return None
+
+
+def learn_instance_memory(state: PolicyState, used_now: int | None) -> PolicyState:
+    """Bytes per instance from the last step: (used after - used before) / instances added.
+
+    Example: 1 -> 3 instances moved used memory from 1.0 to 1.5 GiB: 256 MiB per instance.
+    Averaged with the previous estimate so one noisy reading does not dominate.
+    """
+    step = state.last_step
+    if step is None or used_now is None or step.memory_used_before is None:
+        return state
+    delta_n = step.after.instance_count - step.before.instance_count
+    if delta_n == 0 or step.after.max_queue_delay_us != step.before.max_queue_delay_us:
+        return state
+    per = (used_now - step.memory_used_before) / delta_n
+    if per <= 0:
+        return state
+    old = state.instance_memory_bytes
+    return dataclasses.replace(state, instance_memory_bytes=per if old is None else (old + per) / 2)
+
+
+def memory_cap(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation) -> int | None:
+    """The most instances the memory budget allows for an in-place change; None if unbounded/unknown.
+
+    Example: budget 1000 MiB, 600 MiB used with 2 instances of 100 MiB: others use 400 MiB,
+    so (1000 - 400) / 100 = 6 instances fit.
+    """
+    used, total = device_memory(obs)
+    budget = memory_budget_bytes(limits, total)
+    per = state.instance_memory_bytes
+    if budget is None or used is None:
+        return None
+    if per is None:
+        # Unknown cost per instance: allow one more step to learn it, never past a full budget.
+        return current.instance_count + 1 if used < budget else current.instance_count
+    others = used - current.instance_count * per
+    return max(0, int((budget - others) // per))
+
+
+def full_reload_fits(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation) -> bool:
+    """A full reload loads a second copy with all instances before the old one goes: used + n x per."""
+    used, total = device_memory(obs)
+    budget = memory_budget_bytes(limits, total)
+    if budget is None or used is None or state.instance_memory_bytes is None:
+        return True
+    return used + current.instance_count * state.instance_memory_bytes <= budget
+
+
+# ---- stage 3: review the last instance step -------------------------------------------------------
+
+def pressured(obs: Observation, limits: ModelLimits) -> bool:
+    """Requests are waiting for capacity and latency is near the target."""
+    queueing = (obs.queue_ms_per_request >= QUEUE_SHARE * max(obs.compute_ms_per_request, 1e-3)
+                or obs.busy_fraction >= BUSY_HIGH)
+    near = obs.p99_ms is None or obs.p99_ms >= PRESSURE_P99_FRACTION * limits.p99_target_ms
+    return queueing and near and obs.arrival_rps > 0
+
+
+def review_step(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float) -> tuple[PolicyState, Decision | None]:
+    """Judge an instance added last time, once, on fresh data.
+
+    It helped if throughput rose by `min_gain_pct` or the pressure went away. If it did neither,
+    mark the model saturated at the smaller count and step back.
+    Example: 3 -> 4 instances, completions 400 -> 410 req/s (+2.5% < 10%), queue still building:
+    saturated at 3, back to 3.
+    """
+    step = state.last_step
+    if step is None or step.reviewed or step.after != current:
+        return state, None
+    state = dataclasses.replace(state, last_step=dataclasses.replace(step, reviewed=True))
+    if step.after.instance_count <= step.before.instance_count or step.after.max_queue_delay_us != step.before.max_queue_delay_us:
+        return state, None
+    gain = (obs.completion_rps - step.completion_rps_before) / max(step.completion_rps_before, 1e-9)
+    if gain * 100 >= limits.min_gain_pct or not pressured(obs, limits):
+        return state, None
+    back = step.before.instance_count
+    state = dataclasses.replace(state, saturated_at=back, saturated_until=now + SATURATION_MEMORY_S)
+    return state, Decision(
+        target=dataclasses.replace(current, instance_count=back), reason="ScaleDownNoGain",
+        detail=f"{back}->{current.instance_count} instances gave {gain * 100:+.1f}% throughput "
+               f"(< {limits.min_gain_pct:g}%) with the queue still building; saturated at {back}")
+
+
+# ---- stage 4: instances ---------------------------------------------------------------------------
+
+def instance_ceiling(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation, now: float) -> tuple[int, str]:
+    """The most instances allowed now and what sets it."""
+    caps = [(limits.max_instances, "HoldAtMax")]
+    if state.learned_max_instances is not None:
+        caps.append((state.learned_max_instances, "HoldLearnedMax"))
+    if state.saturated_at is not None and now < state.saturated_until:
+        caps.append((state.saturated_at, "HoldSaturated"))
+    mem = memory_cap(current, limits, state, obs)
+    if mem is not None:
+        caps.append((mem, "HoldMemoryCap"))
+    value, reason = min(caps, key=lambda c: c[0])
+    return max(value, limits.min_instances), reason
+
+
+def known_good_count(state: PolicyState, current: Settings, arrival_rps: float, limits: ModelLimits) -> int | None:
+    """The fewest instances (at this delay) that have met the target at >= this load before."""
+    counts = [p.instance_count for p in state.perf
+              if p.met_target and p.max_queue_delay_us == current.max_queue_delay_us
+              and p.instance_count > current.instance_count and p.arrival_rps >= 0.95 * arrival_rps
+              and p.completion_rps >= 0.95 * p.arrival_rps]
+    return min(counts) if counts else None
+
+
+def is_low(obs: Observation, current: Settings, limits: ModelLimits) -> bool:
+    """One instance fewer would still be comfortably enough.
+
+    Example: 4 instances 40% busy -> 3 would be 4 x 0.4 / 3 = 53% busy (< 60%): low, if p99 is
+    also under half the target and nothing waits.
+    """
+    n = current.instance_count
+    if n <= limits.min_instances or obs.pending_mean >= 1.0:
+        return False
+    if obs.p99_ms is not None and obs.p99_ms >= LOW_P99_FRACTION * limits.p99_target_ms:
+        return False
+    return obs.busy_fraction * n / (n - 1) <= LOW_BUSY_AFTER
+
+
+def decide_instances(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits,
+                     now: float) -> tuple[PolicyState, Decision | None, str]:
+    """An instance change, or None with the reason the count stays."""
+    n = current.instance_count
+    ceiling, cap_reason = instance_ceiling(current, limits, state, obs, now)
+    if n > ceiling:
+        return state, Decision(dataclasses.replace(current, instance_count=ceiling), "ScaleDownToCap",
+                               detail=f"{cap_reason[4:]} allows {ceiling}"), cap_reason
+    if n < limits.min_instances:
+        return state, Decision(dataclasses.replace(current, instance_count=limits.min_instances), "ScaleUpToMin"), ""
+    if pressured(obs, limits):
+        state = dataclasses.replace(state, low_since=None)
+        if n >= ceiling:
+            return state, None, cap_reason
+        if now - state.last_change_at < limits.scale_up_cooldown_s:
+            return state, None, "HoldCooldown"
+        known = known_good_count(state, current, obs.arrival_rps, limits)
+        if known is not None and known > n + 1:
+            target, reason = min(known, ceiling), "ScaleUpKnownGood"
+        else:
+            target, reason = n + 1, "ScaleUpQueueGrowing"
+        return state, Decision(dataclasses.replace(current, instance_count=target), reason,
+                               detail=f"p99 {_fmt(obs.p99_ms)} ms, queue {obs.queue_ms_per_request:.1f} ms, "
+                                      f"busy {obs.busy_fraction:.0%}, {obs.arrival_rps:.0f} req/s"), ""
+    if is_low(obs, current, limits):
+        low_since = state.low_since if state.low_since is not None else now
+        state = dataclasses.replace(state, low_since=low_since)
+        if now - low_since >= limits.scale_down_delay_s and now - state.last_change_at >= limits.scale_up_cooldown_s:
+            return state, Decision(dataclasses.replace(current, instance_count=n - 1), "ScaleDownIdle",
+                                   detail=f"busy {obs.busy_fraction:.0%} for {now - low_since:.0f} s"), ""
+        return state, None, "HoldLowLoadPending"
+    return dataclasses.replace(state, low_since=None), None, "HoldSteady"
+
+
+# ---- stage 5: batching delay ----------------------------------------------------------------------
+
+def decide_delay(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits,
+                 now: float, ceiling_reached: bool, max_batch_size: int) -> Decision | None:
+    """A delay change (a full reload), or None. Halve on latency or light load; add on small batches."""
+    d = current.max_queue_delay_us
+    if now - state.last_delay_change_at < limits.delay_cooldown_s:
+        return None
+    if not full_reload_fits(current, limits, state, obs):
+        return None
+    halved = max(limits.min_delay_us, d // 2 if d // 2 >= 100 else limits.min_delay_us)
+    p99 = obs.p99_ms
+    if d > limits.min_delay_us and p99 is not None and p99 >= limits.p99_target_ms:
+        return Decision(dataclasses.replace(current, max_queue_delay_us=halved), "DelayDecreaseNearTarget",
+                        detail=f"p99 {p99:.1f} ms >= target {limits.p99_target_ms:g} ms")
+    light = obs.busy_fraction < LIGHT_BUSY and obs.pending_mean < 0.5
+    if d > limits.min_delay_us and light:
+        return Decision(dataclasses.replace(current, max_queue_delay_us=halved), "DelayDecreaseLightLoad",
+                        detail=f"busy {obs.busy_fraction:.0%}, no queue")
+    small_batches = max_batch_size <= 0 or obs.avg_batch_size < max_batch_size / 2
+    if ceiling_reached and pressured(obs, limits) and small_batches and d < limits.max_delay_us:
+        new = min(limits.max_delay_us, max(d + limits.delay_step_us, limits.min_delay_us))
+        return Decision(dataclasses.replace(current, max_queue_delay_us=new), "DelayIncreaseSmallBatches",
+                        detail=f"no instance can be added; batches of {obs.avg_batch_size:.1f}")
+    return None
+
+
+# ---- the whole decision ---------------------------------------------------------------------------
+
+def record_perf(state: PolicyState, obs: Observation, current: Settings, limits: ModelLimits, now: float) -> PolicyState:
+    met = obs.p99_ms is not None and obs.p99_ms <= limits.p99_target_ms and obs.failure_rps == 0
+    point = PerfPoint(now, current.instance_count, current.max_queue_delay_us, obs.arrival_rps,
+                      obs.completion_rps, obs.p99_ms, met)
+    return dataclasses.replace(state, perf=(state.perf + (point,))[-PERF_MEMORY:])
+
+
+def decide(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, loop: LoopConfig,
+           now: float, max_batch_size: int = 0) -> tuple[Decision, PolicyState]:
+    """One decision for one model. Pure: same inputs, same answer."""
+    held = gate(obs, current, state, loop, now)
+    if held is not None:
+        return held, state
+    used, _ = device_memory(obs)
+    state = learn_instance_memory(state, used)
+    state = record_perf(state, obs, current, limits, now)
+    state, back = review_step(obs, current, state, limits, now)
+    if back is not None:
+        return back, state
+    state, change, why = decide_instances(obs, current, state, limits, now)
+    if change is not None:
+        return change, state
+    ceiling_reached = why in ("HoldAtMax", "HoldLearnedMax", "HoldSaturated", "HoldMemoryCap")
+    delay = decide_delay(obs, current, state, limits, now, ceiling_reached, max_batch_size)
+    if delay is not None:
+        return delay, state
+    return _hold(current, why or "HoldSteady", f"p99 {_fmt(obs.p99_ms)} ms, busy {obs.busy_fraction:.0%}"), state
+
+
+def record_applied(state: PolicyState, decision: Decision, before: Settings, obs: Observation, now: float) -> PolicyState:
+    """Remember a change that succeeded (only then: the HPA stores a scale event after Update returns)."""
+    used, _ = device_memory(obs)
+    step = StepRecord(now, before, decision.target, obs.completion_rps, obs.p99_ms, used)
+    delay_changed = decision.target.max_queue_delay_us != before.max_queue_delay_us
+    return dataclasses.replace(
+        state, last_change_at=now, last_step=step, low_since=None, failures=0,
+        last_delay_change_at=now if delay_changed else state.last_delay_change_at)
+
+
+def record_failed(state: PolicyState, decision: Decision, before: Settings, now: float, backoff_s: float) -> PolicyState:
+    """A reload failed: the old config keeps serving. Lower the learned maximum if it was a scale-up,
+    and back off exponentially (backoff_s, 2x, 4x ... capped at 16x) so we never retry in a tight loop."""
+    learned = state.learned_max_instances
+    if decision.target.instance_count > before.instance_count:
+        cap = max(before.instance_count, decision.target.instance_count - 1)
+        learned = cap if learned is None else min(learned, cap)
+    failures = state.failures + 1
+    wait = backoff_s * 2 ** min(failures - 1, 4)
+    return dataclasses.replace(state, failures=failures, backoff_until=now + wait,
+                               learned_max_instances=learned, last_change_at=now)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"

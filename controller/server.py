@@ -1,0 +1,316 @@
+"""Find, start and stop a tritonserver process.
+
+Three places a server binary can come from, in this order:
+1. an explicit path (`--tritonserver PATH`);
+2. `tritonserver` on PATH (the NGC container puts it in /opt/tritonserver/bin);
+3. the Triton 2.51 build inside the `nvidia-pytriton` wheel ("embedded").
+
+The embedded build needs two things the wheel does not arrange by itself (see
+shared notes): a backend folder holding the Python backend *and the stub built for
+the running Python*, and LD_LIBRARY_PATH pointing at the wheel's bundled libraries.
+
+The server always starts in `--model-control-mode=explicit` with every endpoint on
+loopback (unless told otherwise); models are loaded through the repository API after
+the server is live, so a model that fails to load gives a clear per-model error.
+"""
+from __future__ import annotations
+
+import compileall
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_REPOSITORY = PACKAGE_ROOT / "model_repository"
+
+
+class ServerError(RuntimeError):
+    """A problem starting or talking to the server, with a one-line message for the user."""
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    repository: Path = DEFAULT_REPOSITORY
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    tritonserver: str | None = None
+    models: list[str] | None = None          # None: every model folder in the repository
+    restricted_key: tuple[str, str] | None = None   # (header name, value) guarding the repository API
+    summary_latencies: bool = True
+    log_verbose: int = 0
+    log_path: Path | None = None             # None: a file in the work dir
+    startup_timeout_s: float = 120.0
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _embedded_root() -> Path | None:
+    try:
+        import pytriton  # noqa: F401  (the nvidia-pytriton wheel)
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    return root if (root / "bin" / "tritonserver").exists() else None
+
+
+def find_tritonserver(explicit: str | None = None) -> tuple[Path, bool]:
+    """Return (binary, embedded). `embedded` means the nvidia-pytriton build."""
+    if explicit:
+        p = Path(explicit).expanduser()
+        if not (p.is_file() and os.access(p, os.X_OK)):
+            raise ServerError(f"--tritonserver {explicit}: no executable file there")
+        return p.resolve(), _embedded_root() is not None and p.resolve() == (_embedded_root() / "bin" / "tritonserver").resolve()
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Path(on_path).resolve(), False
+    root = _embedded_root()
+    if root is not None:
+        return root / "bin" / "tritonserver", True
+    raise ServerError(
+        "no tritonserver found: pass --tritonserver PATH, put tritonserver on PATH "
+        "(as in the NGC container), or `pip install nvidia-pytriton==0.7.0`"
+    )
+
+
+def embedded_library_dir() -> Path | None:
+    root = _embedded_root()
+    if root is None:
+        return None
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    return libs if libs.is_dir() else None
+
+
+def assemble_backend_dir(dest: Path) -> Path:
+    """Build `<dest>/python/` with the Python backend and the stub for this Python."""
+    root = _embedded_root()
+    if root is None:
+        raise ServerError("the nvidia-pytriton wheel is not installed; cannot assemble its Python backend")
+    minor = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / minor / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {minor}")
+    py = dest / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    src = root / "backends" / "python"
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(src / name, py / name)
+    shutil.copy2(stub, py / "triton_python_backend_stub")
+    os.chmod(py / "triton_python_backend_stub", 0o755)
+    return dest
+
+
+def precompile_models(repository: Path, names: list[str]) -> None:
+    """Write up-to-date bytecode for each model's Python files before the server starts.
+
+    The backend stub ignores PYTHONDONTWRITEBYTECODE and writes `1/__pycache__/` during the first
+    load (seen on 2.51). That change to the version folder turns the next instance-count change
+    into a full reload instead of an in-place update. With fresh .pyc files already there, the stub
+    writes nothing. A read-only repository is left alone (the stub cannot write there either).
+    """
+    for name in names:
+        folder = Path(repository) / name
+        if os.access(folder, os.W_OK):
+            compileall.compile_dir(str(folder), quiet=2)
+
+
+def repository_models(repository: Path) -> list[str]:
+    """Every folder of the repository that has a config.pbtxt, sorted."""
+    return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt"))
+
+
+class TritonServer:
+    """One tritonserver child process. Use as a context manager, or start()/stop()."""
+
+    def __init__(self, options: ServerOptions):
+        self.options = options
+        self.process: subprocess.Popen | None = None
+        self._workdir: Path | None = None
+        self.log_path: Path | None = None
+        self.embedded = False
+
+    @property
+    def workdir(self) -> Path:
+        return self._workdir
+
+    # -- addresses -----------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"{self.options.host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+
+    # -- lifecycle -----------------------------------------------------------------
+    def command(self, binary: Path, backend_dir: Path | None) -> list[str]:
+        o = self.options
+        cmd = [
+            str(binary),
+            f"--model-repository={Path(o.repository).resolve()}",
+            "--model-control-mode=explicit",
+            f"--http-address={o.host}", f"--http-port={o.http_port}",
+            f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
+            f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=true",
+            "--metrics-interval-ms=1000",
+            f"--log-verbose={o.log_verbose}",
+            "--exit-on-error=false",
+        ]
+        if o.summary_latencies:
+            cmd.append("--metrics-config=summary_latencies=true")
+        if backend_dir is not None:
+            cmd.append(f"--backend-directory={backend_dir}")
+        if o.restricted_key is not None:
+            k, v = o.restricted_key
+            cmd.append(f"--http-restricted-api=model-repository:{k}={v}")
+            cmd.append(f"--grpc-restricted-protocol=model-repository:{k}={v}")
+        cmd.extend(o.extra_args)
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"   # keeps version folders unchanged: instance updates stay in place
+        env["PYTHONUNBUFFERED"] = "1"
+        # The stub runs the model with the interpreter environment it was started from: put ours first.
+        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+        if self.embedded:
+            libs = embedded_library_dir()
+            if libs is not None:
+                env["LD_LIBRARY_PATH"] = str(libs) + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        # A per-server folder for the simulated accelerator's shared device state.
+        env.setdefault("SIM_ACCEL_DIR", str(self._workdir / "sim_device"))
+        return env
+
+    def start(self) -> "TritonServer":
+        o = self.options
+        repo = Path(o.repository)
+        if not repo.is_dir():
+            raise ServerError(f"model repository {repo} is not a directory")
+        names = o.models if o.models is not None else repository_models(repo)
+        missing = [m for m in names if not (repo / m / "config.pbtxt").exists()]
+        if missing:
+            raise ServerError(f"model(s) {', '.join(missing)} not found in {repo} (no config.pbtxt)")
+        for label, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
+            if _port_in_use(o.host, port):
+                raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower().replace('grpc', 'grpc')}-port")
+        binary, self.embedded = find_tritonserver(o.tritonserver)
+        precompile_models(repo, names)
+        self._workdir = Path(tempfile.mkdtemp(prefix="triton-ctl-"))
+        backend_dir = assemble_backend_dir(self._workdir / "backends") if self.embedded else None
+        self.log_path = Path(o.log_path) if o.log_path else self._workdir / "tritonserver.log"
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.command(binary, backend_dir), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True,
+        )
+        log.close()
+        try:
+            self._wait_live(o.startup_timeout_s)
+            for name in names:
+                self.load_model(name)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _http(self, method: str, path: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
+        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method=method)
+        if self.options.restricted_key is not None:
+            req.add_header(*self.options.restricted_key)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+                return r.status, (json.loads(raw) if raw else {})
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                return e.code, json.loads(raw)
+            except ValueError:
+                return e.code, {"error": raw.decode(errors="replace")}
+
+    def _wait_live(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} during start-up: {self.log_tail()}")
+            try:
+                if self._http("GET", "/v2/health/live", timeout=2)[0] == 200:
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise ServerError(f"tritonserver was not live after {timeout_s:.0f} s: {self.log_tail()}")
+
+    def load_model(self, name: str) -> None:
+        status, body = self._http("POST", f"/v2/repository/models/{name}/load")
+        if status != 200:
+            raise ServerError(f"model '{name}' failed to load: {body.get('error', body)}")
+
+    def log_tail(self, lines: int = 5) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return "(no log)"
+        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        errors = [ln for ln in text if ln[:1] in "EW" or "error" in ln.lower()]
+        return " | ".join((errors or text)[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server (it shuts its stub processes down), then kill the group if needed."""
+        p = self.process
+        if p is None:
+            return
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Stubs are in the server's process group (new session at start): nothing may outlive us.
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.process = None
+        if self._workdir is not None and (self.log_path is None or not str(self.log_path).startswith(str(self._workdir))):
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,68 @@
+"""Plain data shared by the loop's four parts (signals -> decision -> actuation, config).
+
+Everything here is an immutable value: no I/O, no clocks. Times are seconds on the
+controller's monotonic clock unless the name says otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The two knobs the controller turns for one model."""
+
+    instance_count: int
+    max_queue_delay_us: int
+
+
+@dataclass(frozen=True)
+class GpuObservation:
+    """One device as NVML (or the simulated device) reports it."""
+
+    index: int
+    utilization_pct: float | None
+    memory_used_bytes: int | None
+    memory_total_bytes: int | None
+    process_memory_bytes: tuple[tuple[int, int], ...] = ()  # (pid, used bytes) per compute process, where NVML reports it
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one model did over one sliding window, derived from server counters.
+
+    Rates are per second over `span_s`, the time actually covered by valid samples
+    (shorter than the configured window after a counter reset or at start-up).
+    `valid` is False when there is not enough data to judge (fewer than two samples
+    since the last reset, or the scrape failed); every other field is then meaningless.
+    """
+
+    valid: bool
+    span_s: float = 0.0
+    since: float = 0.0                    # time of the oldest sample used
+    arrival_rps: float = 0.0              # requests that reached the server
+    completion_rps: float = 0.0           # successful requests
+    failure_rps: float = 0.0
+    exec_rps: float = 0.0                 # model executions (batches) per second
+    avg_batch_size: float = 0.0           # inferences per execution
+    pending_mean: float = 0.0             # nv_inference_pending_request_count, mean over window
+    pending_max: float = 0.0
+    queue_ms_per_request: float = 0.0     # mean time a request waited in the scheduler queue
+    compute_ms_per_request: float = 0.0   # mean input+infer+output time charged to a request
+    request_ms_mean: float = 0.0          # mean end-to-end server time per request
+    p99_ms: float | None = None           # server summary if enabled, else a derived bound
+    p99_source: str = "none"              # "summary" | "interval_mean_max" | "none"
+    busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
+    custom: dict[str, float] = field(default_factory=dict)  # the model's own metrics
+    gpus: tuple[GpuObservation, ...] = ()
+    invalid_reason: str = ""              # when valid=False: "no_samples" | "scrape_failed" | "too_few_samples" | "span_too_short"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's answer. `valid=False` means "do nothing", whatever `target` says."""
+
+    target: Settings
+    reason: str
+    valid: bool = True
+    detail: str = ""

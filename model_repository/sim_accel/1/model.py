@@ -1,0 +1,132 @@
+"""SIMULATED ACCELERATOR model for machines without a GPU (labelled as such everywhere).
+
+Cost model of one execution of a batch of `b` requests (parameters from config.pbtxt):
+
+    host part   : fixed_overhead_ms                    (device free: copies, launch gaps)
+    device part : compute_base_ms + compute_per_item_ms * b, holding one of
+                  `device_parallelism` slots of the shared device
+
+With the shipped values (8, 3, 0.5, 2 slots) one instance at b=1 takes 11.5 ms (87 req/s);
+the device can run 2 / 3.5 ms = 571 executions/s at b=1, so instances help up to about
+6 and then saturate; at b=8 an execution holds a slot for 7 ms, so batching raises the
+device's ceiling to 2 * 8 / 7 ms = 2286 req/s.
+
+The slots are advisory file locks (fcntl.flock) in `$SIM_ACCEL_DIR/<device_name>/`, so every
+instance (one process each) and every model naming the same device share them. Sleeping costs
+almost no CPU, so two cores are enough to simulate many instances.
+Each instance keeps a buffer of `instance_memory_mb` (touched, so it is resident) and reports it
+as `sim_device_memory_bytes`; `sim_device_busy_us_total` counts slot-holding time.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+
+def _param(config: dict, key: str, default: str) -> str:
+    return config.get("parameters", {}).get(key, {}).get("string_value", default)
+
+
+class SimulatedDevice:
+    """`parallelism` slots shared across processes through flock'ed files."""
+
+    def __init__(self, name: str, parallelism: int):
+        base = os.environ.get("SIM_ACCEL_DIR") or os.path.join(tempfile.gettempdir(), f"sim_accel_{os.getppid()}")
+        self.dir = os.path.join(base, name)
+        os.makedirs(self.dir, exist_ok=True)
+        self.fds = [os.open(os.path.join(self.dir, f"slot{i}"), os.O_RDWR | os.O_CREAT, 0o644) for i in range(parallelism)]
+        self._next = os.getpid()
+
+    def acquire(self) -> int:
+        for fd in self.fds:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                continue
+        self._next += 1
+        fd = self.fds[self._next % len(self.fds)]
+        fcntl.flock(fd, fcntl.LOCK_EX)  # all slots busy: wait on one
+        return fd
+
+    @staticmethod
+    def release(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.instance_name = args["model_instance_name"]
+        total = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        oom_above = int(_param(config, "oom_above_instances", "0"))
+        if oom_above and total > oom_above:
+            raise pb_utils.TritonModelException(
+                f"simulated out of device memory: {total} instances requested, at most {oom_above} fit")
+        self.overhead_s = float(_param(config, "fixed_overhead_ms", "8")) / 1e3
+        self.base_s = float(_param(config, "compute_base_ms", "3")) / 1e3
+        self.per_item_s = float(_param(config, "compute_per_item_ms", "0.5")) / 1e3
+        self.device = SimulatedDevice(_param(config, "device_name", "sim0"), int(_param(config, "device_parallelism", "2")))
+        memory_bytes = int(float(_param(config, "instance_memory_mb", "64")) * 2**20)
+        self.buffer = np.ones(memory_bytes // 8, dtype=np.float64)  # resident, like weights on a device
+
+        labels = {"model": args["model_name"], "instance": self.instance_name}
+        self.fam_mem = pb_utils.MetricFamily("sim_device_memory_bytes", "SIMULATED device memory held by this instance", pb_utils.MetricFamily.GAUGE)
+        self.fam_busy = pb_utils.MetricFamily("sim_device_busy_us_total", "SIMULATED device slot time used by this instance", pb_utils.MetricFamily.COUNTER)
+        self.fam_exec = pb_utils.MetricFamily("model_executions_total", "Batches executed by this instance", pb_utils.MetricFamily.COUNTER)
+        self.fam_items = pb_utils.MetricFamily("model_executed_items_total", "Requests run in those batches", pb_utils.MetricFamily.COUNTER)
+        self.fam_us = pb_utils.MetricFamily("model_execution_us_total", "Microseconds spent executing batches", pb_utils.MetricFamily.COUNTER)
+        self.fam_batch = pb_utils.MetricFamily("model_last_batch_size", "Size of the last executed batch", pb_utils.MetricFamily.GAUGE)
+        self.m_mem = self.fam_mem.Metric(labels=labels)
+        self.m_busy = self.fam_busy.Metric(labels=labels)
+        self.m_exec = self.fam_exec.Metric(labels=labels)
+        self.m_items = self.fam_items.Metric(labels=labels)
+        self.m_us = self.fam_us.Metric(labels=labels)
+        self.m_batch = self.fam_batch.Metric(labels=labels)
+        self.m_mem.set(self.buffer.nbytes)
+
+    def execute(self, requests):
+        inputs, responses = [], [None] * len(requests)
+        for i, r in enumerate(requests):
+            t = pb_utils.get_input_tensor_by_name(r, "INPUT")
+            x = None if t is None else t.as_numpy()
+            if x is None or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != 16:
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError("INPUT must be FP32 [batch, 16]"))
+            elif not np.isfinite(x).all():
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError("INPUT contains NaN or Inf"))
+            else:
+                inputs.append((i, x))
+        if inputs:
+            items = sum(len(x) for _, x in inputs)
+            t0 = time.perf_counter()
+            time.sleep(self.overhead_s)                       # host side: device free
+            fd = self.device.acquire()
+            t_dev = time.perf_counter()
+            time.sleep(self.base_s + self.per_item_s * items)  # device side: one slot held
+            self.device.release(fd)
+            t1 = time.perf_counter()
+            self.m_busy.increment((t1 - t_dev) * 1e6)
+            self.m_exec.increment(1)
+            self.m_items.increment(items)
+            self.m_us.increment((t1 - t0) * 1e6)
+            self.m_batch.set(items)
+            for i, x in inputs:
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", (x * 2.0).astype(np.float32))])
+        return responses
+
+    def finalize(self):
+        self.device.close()
+        self.buffer = None
