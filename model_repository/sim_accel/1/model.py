@@ -2,14 +2,16 @@
 
 Cost model of one execution of a batch of `b` requests (parameters from config.pbtxt):
 
-    host part   : fixed_overhead_ms                    (device free: copies, launch gaps)
+    host part   : fixed_overhead_ms + host_per_item_ms * b      (device free: pre/post-processing,
+                                                                 copies, launch gaps)
     device part : compute_base_ms + compute_per_item_ms * b, holding one of
                   `device_parallelism` slots of the shared device
 
-With the shipped values (8, 3, 0.5, 2 slots) one instance at b=1 takes 11.5 ms (87 req/s);
-the device can run 2 / 3.5 ms = 571 executions/s at b=1, so instances help up to about
-6 and then saturate; at b=8 an execution holds a slot for 7 ms, so batching raises the
-device's ceiling to 2 * 8 / 7 ms = 2286 req/s.
+With the shipped values (4 + 1/item on the host, 2 + 0.5/item on the device, 2 slots) one
+instance at b=1 takes 7.5 ms (133 req/s) and at b=8 18 ms (444 req/s). The device runs
+2 / 2.5 ms = 800 executions/s at b=1, so instances help up to about 6 and then saturate; at
+b=8 an execution holds a slot for 6 ms, so batching raises the device's ceiling to
+2 * 8 / 6 ms = 2667 req/s.
 
 The slots are advisory file locks (fcntl.flock) in `$SIM_ACCEL_DIR/<device_name>/`, so every
 instance (one process each) and every model naming the same device share them. Sleeping costs
@@ -76,8 +78,9 @@ class TritonPythonModel:
         if oom_above and total > oom_above:
             raise pb_utils.TritonModelException(
                 f"simulated out of device memory: {total} instances requested, at most {oom_above} fit")
-        self.overhead_s = float(_param(config, "fixed_overhead_ms", "8")) / 1e3
-        self.base_s = float(_param(config, "compute_base_ms", "3")) / 1e3
+        self.overhead_s = float(_param(config, "fixed_overhead_ms", "4")) / 1e3
+        self.host_per_item_s = float(_param(config, "host_per_item_ms", "1.0")) / 1e3
+        self.base_s = float(_param(config, "compute_base_ms", "2")) / 1e3
         self.per_item_s = float(_param(config, "compute_per_item_ms", "0.5")) / 1e3
         self.device = SimulatedDevice(_param(config, "device_name", "sim0"), int(_param(config, "device_parallelism", "2")))
         memory_bytes = int(float(_param(config, "instance_memory_mb", "64")) * 2**20)
@@ -112,7 +115,7 @@ class TritonPythonModel:
         if inputs:
             items = sum(len(x) for _, x in inputs)
             t0 = time.perf_counter()
-            time.sleep(self.overhead_s)                       # host side: device free
+            time.sleep(self.overhead_s + self.host_per_item_s * items)   # host side: device free
             fd = self.device.acquire()
             t_dev = time.perf_counter()
             time.sleep(self.base_s + self.per_item_s * items)  # device side: one slot held
