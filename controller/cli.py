@@ -75,7 +75,71 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--config", type=Path, help="controller YAML (for the server address and decision log)")
     st.add_argument("--decision-log", help="read recent decisions from this JSONL file")
     st.add_argument("--last", type=int, default=5, help="decisions to show per model")
+
+    sw = sub.add_parser("sweep", help="offline grid: instances x max_queue_delay_us x offered load on one fresh server")
+    sw.add_argument("--model", default="sim_accel", help="model to sweep (default sim_accel, the SIMULATED accelerator)")
+    sw.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository (default: the shipped one)")
+    sw.add_argument("--instances", type=_bounded_list(int, 1, 64), default=[1, 2, 4, 6], help="instance counts (default 1,2,4,6)")
+    sw.add_argument("--delays-us", type=_bounded_list(int, 0, 1_000_000), default=[0, 2000], help="max_queue_delay_us values (default 0,2000)")
+    sw.add_argument("--rates", type=_bounded_list(float, 0.1, 400.0), help="offered loads in req/s (default 50,150,300, or from --scenario)")
+    sw.add_argument("--scenario", type=Path, help="take the load levels from this trace's phases")
+    sw.add_argument("--seconds", type=_bounded(float, 0.5, 600.0), default=6.0, help="measured seconds per cell (default 6)")
+    sw.add_argument("--warmup-s", type=_bounded(float, 0.0, 60.0), default=1.0, help="unmeasured warm-up per cell (default 1)")
+    sw.add_argument("--sla-ms", type=_bounded(float, 0.1, 600_000.0), default=40.0, help="p99 objective in ms (default 40)")
+    sw.add_argument("--seed", type=int, default=0, help="Poisson schedule seed (default 0)")
+    sw.add_argument("--out", type=Path, default=Path("results/sweep"), help="output folder (default results/sweep)")
+
+    b = sub.add_parser("bench", help="replay a traffic scenario against default, best_static, oracle and adaptive arms")
+    b.add_argument("--scenario", type=Path, required=True, help="trace YAML (phases or day_curve)")
+    b.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder (default results/bench)")
+    b.add_argument("--sweep", type=Path, help="sweep.json to choose best_static and oracle from (default: run one first)")
+    b.add_argument("--sla-ms", type=_bounded(float, 0.1, 600_000.0), default=40.0, help="p99 objective in ms (default 40)")
+    b.add_argument("--model", default="sim_accel", help="model (default sim_accel, the SIMULATED accelerator)")
+    b.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository (default: the shipped one)")
+    b.add_argument("--arms", type=_arm_list, help="comma-separated subset of default,best_static,oracle,adaptive (default all)")
+    b.add_argument("--seed", type=int, default=0, help="Poisson schedule seed, the same for every arm (default 0)")
+    b.add_argument("--max-instances", type=_bounded(int, 1, 64), default=8, help="the controller's max_instances (default 8)")
+    b.add_argument("--controller-interval-s", type=_bounded(float, 0.1, 60.0), default=1.0, help="controller tick (default 1)")
+    b.add_argument("--controller-window-s", type=_bounded(float, 1.0, 600.0), default=10.0, help="controller window (default 10)")
+    b.add_argument("--instances", type=_bounded_list(int, 1, 64), default=[1, 2, 4, 6], help="sweep instance counts when no --sweep (default 1,2,4,6)")
+    b.add_argument("--delays-us", type=_bounded_list(int, 0, 1_000_000), default=[0, 2000], help="sweep delays when no --sweep (default 0,2000)")
+    b.add_argument("--sweep-seconds", type=_bounded(float, 0.5, 600.0), default=4.0, help="measured seconds per sweep cell when no --sweep (default 4)")
     return p
+
+
+def _bounded(convert, lo, hi):
+    """An argparse type: one number in [lo, hi]."""
+    def parse(text: str):
+        try:
+            value = convert(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in [{lo:g}, {hi:g}], got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value:g} is outside [{lo:g}, {hi:g}]")
+        return value
+    return parse
+
+
+def _bounded_list(convert, lo, hi):
+    """An argparse type: comma-separated distinct numbers, each in [lo, hi]."""
+    one = _bounded(convert, lo, hi)
+    def parse(text: str) -> list:
+        values = [one(item) for item in text.split(",")]
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"duplicate values in {text!r}")
+        return values
+    return parse
+
+
+BENCH_ARMS = ("default", "best_static", "oracle", "adaptive")
+
+
+def _arm_list(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in arms if a not in BENCH_ARMS]
+    if bad or not arms:
+        raise argparse.ArgumentTypeError(f"arms must be among {','.join(BENCH_ARMS)}, got {text!r}")
+    return arms
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -239,6 +303,33 @@ def cmd_status(args) -> int:
         control.close()
 
 
+def cmd_sweep(args) -> int:
+    from .loadgen import TraceError, load_trace
+    from .sweep import format_table, rates_from_trace, run_sweep, write_sweep
+    if args.rates is None and args.scenario is not None:
+        try:
+            args.rates = rates_from_trace(load_trace(args.scenario))
+        except TraceError as e:
+            raise UsageError(f"scenario: {e}") from None
+    rates = args.rates or [50.0, 150.0, 300.0]
+    if max(rates) > 400:
+        raise UsageError(f"--rates: the load generator sustains about 400 req/s here; got {max(rates):g}")
+    doc = run_sweep(args.model, args.instances, args.delays_us, rates, seconds=args.seconds, warmup_s=args.warmup_s,
+                    sla_ms=args.sla_ms, seed=args.seed, repository=args.repository)
+    path = write_sweep(doc, args.out)
+    print(format_table(doc))
+    print(f"wrote {path} and {path.with_suffix('.png')} ({doc['elapsed_s']:g} s)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import BenchError, run_bench
+    try:
+        return run_bench(args)
+    except BenchError as e:
+        raise UsageError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -247,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    verbs = {"serve": cmd_serve, "run": cmd_run, "status": cmd_status}
+    verbs = {"serve": cmd_serve, "run": cmd_run, "status": cmd_status, "sweep": cmd_sweep, "bench": cmd_bench}
     try:
         return verbs[args.verb](args)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,299 @@
+"""Offline sweep, Model-Analyzer style: instances x max_queue_delay_us x offered load.
+
+One fresh tritonserver serves the whole grid. Configs are visited delay-major (every instance
+count for one delay, then the next delay), so only a delay change pays a full reload and every
+instance change is an in-place update. For each cell:
+
+1. apply the config with the Actuator (and wait until it is READY);
+2. run open-loop Poisson load at the cell's rate for `warmup_s + seconds`; the first `warmup_s`
+   are discarded (queues and batching reach their steady state), the rest are measured;
+3. record offered and completion rate, p50/p99 (from each request's *scheduled* time), goodput
+   (completions within the SLA per second) and failures.
+
+A cell "meets the SLA" when its p99 is within `sla_ms` and no request failed. Per load level the
+best config is the one with the fewest instances that meets the SLA, then the highest goodput,
+then the shorter delay; a level where nothing meets it reports the highest-goodput cell, marked
+`met_sla: false`.
+
+Outputs: `sweep.json` (cells + best per level), `sweep.png` (throughput vs p99 per config) and a
+table. `perf_points_from_sweep(path)` turns the cells into perf points a controller can
+warm-start from.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .loadgen import Trace, load_trace, poisson_schedule, run_open_loop_sync, make_inputs_from_config
+from .types import Settings
+
+SCHEDULE_MAX_REQUESTS = 2_000_000
+LEVEL_MERGE_RATIO = 1.25          # scenario rates closer than 25% share one sweep level
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured (config, offered load) point. Rates are per second of the measured window."""
+
+    instance_count: int
+    max_queue_delay_us: int
+    arrival_rps: float          # the rate asked for (the load level)
+    offered_rps: float          # requests actually scheduled in the measured window, per second
+    completion_rps: float       # successful requests per second
+    goodput_rps: float          # successful within the SLA per second
+    p50_ms: float | None
+    p99_ms: float | None
+    requests: int
+    failed: int
+    met_sla: bool
+
+    @property
+    def settings(self) -> Settings:
+        return Settings(self.instance_count, self.max_queue_delay_us)
+
+
+def cell_from_records(records, settings: Settings, rate_rps: float, warmup_s: float, seconds: float,
+                      sla_ms: float) -> Cell:
+    """Measure one cell from load-generator records, ignoring those scheduled in the warm-up.
+
+    Example: 1200 requests scheduled in a 6 s window, 1190 ok of which 1180 within 40 ms, 0 failed
+    -> offered 200/s, completion 198.3/s, goodput 196.7/s.
+    """
+    kept = [r for r in records if r.scheduled_s >= warmup_s]
+    ok_ms = np.array([1000.0 * r.latency_s for r in kept if r.ok], dtype=float)
+    failed = sum(1 for r in kept if not r.ok)
+    good = int((ok_ms <= sla_ms).sum())
+    p99 = float(np.percentile(ok_ms, 99)) if ok_ms.size else None
+    p50 = float(np.percentile(ok_ms, 50)) if ok_ms.size else None
+    met = failed == 0 and p99 is not None and p99 <= sla_ms
+    return Cell(settings.instance_count, settings.max_queue_delay_us, float(rate_rps),
+                len(kept) / seconds, ok_ms.size / seconds, good / seconds, p50, p99, len(kept), failed, met)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure choices over cells
+# ---------------------------------------------------------------------------------------------
+def best_per_level(cells: Sequence[Cell]) -> list[dict]:
+    """Per load level: fewest instances meeting the SLA, then highest goodput, then shorter delay.
+
+    Example: at 150 req/s, (1 inst, 0 us) misses with p99 80 ms, (2, 0) meets with goodput 149.5
+    and (4, 0) meets with goodput 150.0 -> (2, 0): the fewest instances that meet the SLA.
+    """
+    out = []
+    for rate in sorted({c.arrival_rps for c in cells}):
+        level = [c for c in cells if c.arrival_rps == rate]
+        meeting = [c for c in level if c.met_sla]
+        if meeting:
+            best = min(meeting, key=lambda c: (c.instance_count, -c.goodput_rps, c.max_queue_delay_us))
+        else:
+            best = max(level, key=lambda c: (c.goodput_rps, -c.instance_count, -c.max_queue_delay_us))
+        out.append({"arrival_rps": rate, "instance_count": best.instance_count,
+                    "max_queue_delay_us": best.max_queue_delay_us, "goodput_rps": best.goodput_rps,
+                    "p99_ms": best.p99_ms, "met_sla": best.met_sla})
+    return out
+
+
+def rates_from_trace(trace: Trace, merge_ratio: float = LEVEL_MERGE_RATIO) -> list[float]:
+    """Load levels covering a trace: every phase's start, end and burst rate, merged when close.
+
+    Rates are rounded to whole req/s; a rate within `merge_ratio` of the last level kept is
+    dropped, except the highest, which always stays (it replaces the last level kept if the two
+    are close). Example: rates 30, 40, 200, 220, 320, 400 -> 30, 40, 200, 320, 400
+    (220 < 1.25 * 200 is merged; 400 is the peak).
+    """
+    raw = set()
+    for p in trace.phases:
+        raw.update((p.from_rps, p.to_rps))
+        if p.burst is not None:
+            raw.add(p.burst.rate_rps)
+    rates = sorted({float(round(r)) for r in raw if r > 0})
+    if not rates:
+        return []
+    kept = [rates[0]]
+    for r in rates[1:]:
+        if r >= kept[-1] * merge_ratio:
+            kept.append(r)
+    if kept[-1] != rates[-1]:
+        if len(kept) > 1 and rates[-1] < kept[-1] * merge_ratio:
+            kept[-1] = rates[-1]
+        else:
+            kept.append(rates[-1])
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Running it
+# ---------------------------------------------------------------------------------------------
+class Progress:
+    """A one-line text progress bar on a stream (stderr): [#####-----] 5/24 label."""
+
+    def __init__(self, total: int, stream=None, width: int = 24):
+        self.total, self.done, self.width = max(1, total), 0, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = time.monotonic()
+
+    def show(self, label: str) -> None:
+        filled = int(self.width * self.done / self.total)
+        elapsed = time.monotonic() - self.t0
+        eta = f", ~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else ""
+        self.stream.write(f"\r[{'#' * filled}{'-' * (self.width - filled)}] {self.done}/{self.total} "
+                          f"{label} ({elapsed:.0f} s{eta})\033[K")
+        self.stream.flush()
+
+    def step(self, label: str = "") -> None:
+        self.done += 1
+        self.show(label)
+        if self.done >= self.total:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def measure_cell(url: str, model: str, make_inputs, settings: Settings, rate_rps: float, *, seconds: float,
+                 warmup_s: float, sla_ms: float, seed: int, timeout_s: float = 10.0) -> Cell:
+    """Open-loop Poisson load at `rate_rps` for warm-up + measured window, measured as one Cell."""
+    trace = load_trace({"phases": [{"name": "cell", "duration_s": warmup_s + seconds, "rate_rps": rate_rps}]})
+    schedule = poisson_schedule(trace, seed, SCHEDULE_MAX_REQUESTS)
+    records = run_open_loop_sync(url, model, schedule, make_inputs, protocol="grpc", timeout_s=timeout_s)
+    return cell_from_records(records, settings, rate_rps, warmup_s, seconds, sla_ms)
+
+
+def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], rates_rps: Sequence[float], *,
+              seconds: float = 6.0, warmup_s: float = 1.0, sla_ms: float = 40.0, seed: int = 0,
+              repository: Path | None = None, progress: Progress | None = None,
+              on_cell: Callable[[Cell], None] | None = None) -> dict:
+    """Start one fresh server, measure every cell, and return the sweep document (see module doc)."""
+    from .actuation import Actuator, TritonControl
+    from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            models=[model], repository=repository or DEFAULT_REPOSITORY)
+    configs = [Settings(i, d) for d in delays_us for i in instances]      # delay-major: few full reloads
+    progress = progress or Progress(len(configs) * len(rates_rps))
+    cells: list[Cell] = []
+    t0 = time.monotonic()
+    with TritonServer(options) as server:
+        control = TritonControl(server.grpc_url, server.http_url)
+        try:
+            actuator = Actuator(control)
+            make_inputs = make_inputs_from_config(server.http_url, model)
+            for settings in configs:
+                result = actuator.apply(model, settings)
+                if not result.ok:
+                    raise ServerError(f"cannot apply {settings.instance_count} instance(s) / "
+                                      f"{settings.max_queue_delay_us} us to {model}: {result.error}")
+                for k, rate in enumerate(rates_rps):
+                    progress.show(f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s")
+                    cell = measure_cell(server.grpc_url, model, make_inputs, settings, rate, seconds=seconds,
+                                        warmup_s=warmup_s, sla_ms=sla_ms, seed=seed + k)
+                    cells.append(cell)
+                    if on_cell:
+                        on_cell(cell)
+                    progress.step(f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s")
+        finally:
+            control.close()
+    return sweep_document(model, cells, sla_ms=sla_ms, seconds=seconds, warmup_s=warmup_s, seed=seed,
+                          elapsed_s=time.monotonic() - t0)
+
+
+def sweep_document(model: str, cells: Sequence[Cell], *, sla_ms: float, seconds: float, warmup_s: float,
+                   seed: int, elapsed_s: float | None = None) -> dict:
+    return {"model": model, "sla_ms": sla_ms, "seconds": seconds, "warmup_s": warmup_s, "seed": seed,
+            "elapsed_s": None if elapsed_s is None else round(elapsed_s, 1),
+            "cells": [asdict(c) for c in cells], "best_per_level": best_per_level(cells)}
+
+
+def load_sweep(path: str | Path) -> dict:
+    """Read a sweep.json; ValueError with one line if it is not one."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except OSError as e:
+        raise ValueError(f"sweep file {p}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sweep file {p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("cells"), list) or not doc["cells"]:
+        raise ValueError(f"sweep file {p}: expected a mapping with a non-empty 'cells' list")
+    return doc
+
+
+def cells_of(doc: dict) -> list[Cell]:
+    fields = Cell.__dataclass_fields__
+    try:
+        return [Cell(**{k: c[k] for k in fields}) for c in doc["cells"]]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"sweep cells: each needs {', '.join(fields)} ({e})") from None
+
+
+def perf_points_from_sweep(path: str | Path) -> list[dict]:
+    """The sweep's cells as controller perf points (for a warm start).
+
+    Each: {instance_count, max_queue_delay_us, arrival_rps, completion_rps, p99_ms, met_target}
+    where arrival_rps is the measured offered rate and met_target the cell's SLA verdict.
+    """
+    return [{"instance_count": c.instance_count, "max_queue_delay_us": c.max_queue_delay_us,
+             "arrival_rps": c.offered_rps, "completion_rps": c.completion_rps, "p99_ms": c.p99_ms,
+             "met_target": c.met_sla} for c in cells_of(load_sweep(path))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+def _ms(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.1f}"
+
+
+def format_table(doc: dict) -> str:
+    cells = cells_of(doc)
+    lines = [f"{'inst':>4} {'delay_us':>8} {'rate':>6} {'offered':>8} {'done/s':>7} {'goodput':>8} "
+             f"{'p50_ms':>7} {'p99_ms':>8} {'failed':>6}  SLA {doc['sla_ms']:g} ms"]
+    for c in cells:
+        lines.append(f"{c.instance_count:>4} {c.max_queue_delay_us:>8} {c.arrival_rps:>6g} {c.offered_rps:>8.1f} "
+                     f"{c.completion_rps:>7.1f} {c.goodput_rps:>8.1f} {_ms(c.p50_ms):>7} {_ms(c.p99_ms):>8} "
+                     f"{c.failed:>6}  {'met' if c.met_sla else 'MISSED'}")
+    lines.append("best config per load level (fewest instances meeting the SLA, then goodput):")
+    for b in doc["best_per_level"]:
+        lines.append(f"  {b['arrival_rps']:>6g} req/s -> {b['instance_count']} inst, {b['max_queue_delay_us']} us "
+                     f"(goodput {b['goodput_rps']:.1f}/s, p99 {_ms(b['p99_ms'])} ms){'' if b['met_sla'] else '  NONE MEETS THE SLA'}")
+    return "\n".join(lines)
+
+
+def plot_sweep(doc: dict, path: str | Path) -> None:
+    """Throughput (completions/s) against p99 per config, one line per config across load levels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = cells_of(doc)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for settings in sorted({c.settings for c in cells}, key=lambda s: (s.max_queue_delay_us, s.instance_count)):
+        pts = sorted((c for c in cells if c.settings == settings), key=lambda c: c.arrival_rps)
+        xs = [c.completion_rps for c in pts]
+        ys = [c.p99_ms if c.p99_ms is not None else np.nan for c in pts]
+        style = "-" if settings.max_queue_delay_us == 0 else "--"
+        ax.plot(xs, ys, style, marker="o", label=f"{settings.instance_count} inst, {settings.max_queue_delay_us} us")
+    ax.axhline(doc["sla_ms"], color="red", linewidth=1, linestyle=":", label=f"SLA {doc['sla_ms']:g} ms")
+    ax.set_yscale("log")
+    ax.set_xlabel("throughput (completions/s)")
+    ax.set_ylabel("p99 latency (ms, from scheduled send time)")
+    ax.set_title(f"{doc['model']}: throughput vs p99 per config (open-loop Poisson)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_sweep(doc: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "sweep.json"
+    path.write_text(json.dumps(doc, indent=1))
+    plot_sweep(doc, out / "sweep.png")
+    return path

@@ -1,0 +1,258 @@
+"""The foundation against a real tritonserver: launcher, models, live config changes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as http
+
+import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on sys.path)
+from conftest import ROOT, start_server
+from controller.actuation import Actuator, TritonControl
+from controller.server import ServerError, ServerOptions, TritonServer, find_tritonserver, free_port
+from controller.types import Settings
+
+
+def _infer(client, x: np.ndarray, model="resnet_tiny", name="INPUT", out="LOGITS"):
+    inp = http.InferInput(name, list(x.shape), "FP32" if x.dtype == np.float32 else "FP64")
+    inp.set_data_from_numpy(x)
+    return client.infer(model, [inp]).as_numpy(out)
+
+
+def _stats(url: str, model: str) -> dict:
+    with urllib.request.urlopen(f"http://{url}/v2/models/{model}/stats") as r:
+        return json.load(r)["model_stats"][0]
+
+
+def test_embedded_server_is_found():
+    binary, embedded = find_tritonserver(None)
+    assert binary.name == "tritonserver" and binary.exists()
+    assert embedded or os.environ.get("PATH", "").count("tritonserver") or binary.is_file()
+
+
+def test_output_equals_the_torch_network(server):
+    client = http.InferenceServerClient(server.http_url)
+    x = np.random.default_rng(1).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    got = _infer(client, x)
+    with torch.inference_mode():
+        want = network.build(0).eval()(torch.from_numpy(x)).numpy()
+    assert got.shape == (4, 10)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_concurrent_clients_all_get_their_own_answer(server):
+    xs = [np.full((1, 3, 32, 32), i / 10, dtype=np.float32) for i in range(24)]
+    net = network.build(0).eval()
+
+    def one(x):
+        return _infer(http.InferenceServerClient(server.http_url), x)
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(one, xs))
+    with torch.inference_mode():
+        for x, got in zip(xs, outs):
+            np.testing.assert_allclose(got, net(torch.from_numpy(x)).numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,dtype,why", [
+    ((1, 3, 16, 16), np.float32, "unexpected shape"),
+    ((1, 3, 32, 32), np.float64, "FP32"),
+], ids=["wrong-shape", "wrong-dtype"])
+def test_bad_request_gets_an_error_and_server_keeps_serving(server, shape, dtype, why):
+    client = http.InferenceServerClient(server.http_url)
+    with pytest.raises(Exception) as err:
+        _infer(client, np.zeros(shape, dtype))
+    assert why.lower() in str(err.value).lower()
+    assert _infer(client, np.zeros((1, 3, 32, 32), np.float32)).shape == (1, 10)
+
+
+def test_missing_input_is_rejected(server):
+    client = http.InferenceServerClient(server.http_url)
+    inp = http.InferInput("NOT_AN_INPUT", [1, 16], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 16), np.float32))
+    with pytest.raises(Exception, match="(?i)input"):
+        client.infer("sim_accel", [inp])
+    assert client.is_model_ready("sim_accel")
+
+
+def test_malformed_request_fails_alone_inside_a_batch(server):
+    """A NaN request batched with good ones gets its own error; the others get their answers."""
+    act = Actuator(TritonControl(server.grpc_url, server.http_url))
+    before = act.read("resnet_tiny")[1]
+    assert act.apply("resnet_tiny", Settings(1, 300_000)).ok   # a long delay so the four requests share a batch
+    try:
+        execs_before = int(_stats(server.http_url, "resnet_tiny")["execution_count"])
+        bad = np.full((1, 3, 32, 32), np.nan, np.float32)
+        goods = [np.full((1, 3, 32, 32), i, np.float32) for i in (1, 2, 3)]
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_infer, http.InferenceServerClient(server.http_url), x) for x in [bad] + goods]
+            results = []
+            for f in futures:
+                try:
+                    results.append(f.result())
+                except Exception as e:  # noqa: BLE001
+                    results.append(e)
+        assert "NaN" in str(results[0])
+        assert all(isinstance(r, np.ndarray) and r.shape == (1, 10) for r in results[1:])
+        assert int(_stats(server.http_url, "resnet_tiny")["execution_count"]) - execs_before == 1
+    finally:
+        assert act.apply("resnet_tiny", before).ok
+
+
+def test_model_publishes_its_own_metrics(server):
+    client = http.InferenceServerClient(server.http_url)
+    _infer(client, np.zeros((3, 3, 32, 32), np.float32))
+    text = urllib.request.urlopen(server.metrics_url).read().decode()
+    for name in ("model_executions_total", "model_executed_items_total", "model_execution_us_total", "model_last_batch_size"):
+        assert f'{name}{{instance="resnet_tiny_0_0",model="resnet_tiny"}}' in text
+
+
+class _Load:
+    """Closed-loop clients sending until stopped; counts successes and failures."""
+
+    def __init__(self, url: str, model: str, x: np.ndarray, inp: str, out: str, clients: int = 4):
+        self.ok, self.failed, self.errors = 0, 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(url, model, x, inp, out)) for _ in range(clients)]
+
+    def _run(self, url, model, x, inp, out):
+        client = http.InferenceServerClient(url)
+        while not self._stop.is_set():
+            try:
+                _infer(client, x, model, inp, out)
+                self.ok += 1
+            except Exception as e:  # noqa: BLE001
+                self.failed += 1
+                self.errors.append(str(e)[:200])
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.5)
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+
+def _log_since(server: TritonServer, offset: int) -> str:
+    return server.log_path.read_text(errors="replace")[offset:]
+
+
+def test_instance_count_change_applies_in_place_under_load(server):
+    act = Actuator(TritonControl(server.grpc_url, server.http_url))
+    assert act.read("sim_accel")[1] == Settings(1, 0)
+    offset = len(server.log_path.read_text(errors="replace"))
+    x = np.ones((1, 16), np.float32)
+    with _Load(server.http_url, "sim_accel", x, "INPUT", "OUTPUT") as load:
+        up = act.apply("sim_accel", Settings(3, 0))
+        mid_ready = TritonControl(server.grpc_url, server.http_url).ready("sim_accel")
+        down = act.apply("sim_accel", Settings(1, 0))
+    assert up.ok and up.kind == "in_place" and down.ok
+    assert mid_ready
+    assert load.failed == 0, load.errors[:3]
+    assert load.ok > 20
+    log = _log_since(server, offset)
+    assert "sim_accel_0_1" in log and "sim_accel_0_2" in log    # only the new instances were created ...
+    assert "sim_accel_0_0 (CPU" not in log                      # ... the running one was not re-initialised
+    assert "unloaded 'sim_accel'" not in log                    # no full reload
+
+
+def test_delay_change_is_a_full_reload_and_loses_no_request(server):
+    act = Actuator(TritonControl(server.grpc_url, server.http_url))
+    offset = len(server.log_path.read_text(errors="replace"))
+    x = np.ones((1, 16), np.float32)
+    with _Load(server.http_url, "sim_accel", x, "INPUT", "OUTPUT") as load:
+        first = act.apply("sim_accel", Settings(1, 2000))
+        back = act.apply("sim_accel", Settings(1, 0))
+    assert first.ok and first.kind == "full_reload" and back.ok
+    assert load.failed == 0, load.errors[:3]
+    assert load.ok > 20
+    deadline = time.monotonic() + 15   # the old copy is unloaded in the background after the new one is live
+    while _log_since(server, offset).count("successfully unloaded 'sim_accel'") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _log_since(server, offset).count("successfully unloaded 'sim_accel'") == 2
+    live = json.loads(urllib.request.urlopen(f"http://{server.http_url}/v2/models/sim_accel/config").read())
+    assert int(live["dynamic_batching"]["max_queue_delay_microseconds"]) == 0
+
+
+# ---- launcher errors: one clear line, non-zero exit, nothing left behind ---------------------------
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_missing_binary_is_a_clear_error():
+    r = _cli("serve", "--tritonserver", "/nonexistent/tritonserver", "--no-controller")
+    assert r.returncode == 1
+    assert "no executable file there" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_taken_port_is_a_clear_error(server):
+    taken = server.http_url.rsplit(":", 1)[1]
+    r = _cli("serve", "--http-port", taken, "--grpc-port", str(free_port()), "--metrics-port", str(free_port()))
+    assert r.returncode == 1
+    assert f"HTTP port 127.0.0.1:{taken} is already in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_model_that_fails_to_load_is_a_clear_error(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\nmax_batch_size: 0\n'
+                                                  'input [{name: "X", data_type: TYPE_FP32, dims: [1]}]\n'
+                                                  'output [{name: "Y", data_type: TYPE_FP32, dims: [1]}]\n')
+    (repo / "broken" / "1" / "model.py").write_text("raise RuntimeError('this model cannot load')\n")
+    with pytest.raises(ServerError, match="model 'broken' failed to load"):
+        start_server(["broken"], repository=repo)
+
+
+def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "controller", "serve", "--http-port", str(http_port),
+                             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--models", "resnet_tiny"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.monotonic()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("controller managing"):
+                break
+        client = http.InferenceServerClient(f"127.0.0.1:{http_port}")
+        assert _infer(client, np.zeros((1, 3, 32, 32), np.float32)).shape == (1, 10)
+        assert time.monotonic() - t0 < 30, "serve must answer inference within 30 s"
+        server_pids = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout.split()
+        assert server_pids
+        stub_pids = _children_of(server_pids)
+        assert stub_pids, "the Python backend runs one stub process per instance"
+        proc.send_signal(2)  # Ctrl-C
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "stopped" in rest
+    left = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout.split()
+    assert not left
+    assert not [pid for pid in stub_pids if os.path.exists(f"/proc/{pid}")]
+
+
+def _children_of(pids: list[str]) -> list[str]:
+    out = []
+    for pid in pids:
+        r = subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True)
+        out += r.stdout.split()
+    return out
