@@ -51,6 +51,7 @@ class ServerOptions:
     summary_latencies: bool = True
     log_verbose: int = 0
     log_path: Path | None = None             # None: a file in the work dir
+    keep_workdir: bool = False               # keep the work dir (backend folder, default log) after stop
     startup_timeout_s: float = 120.0
     extra_args: list[str] = dataclasses.field(default_factory=list)
 
@@ -145,6 +146,16 @@ def repository_models(repository: Path) -> list[str]:
     return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt"))
 
 
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM the server if the process that started it dies (even kill -9),
+    so that `serve` never leaves an orphaned server behind."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class TritonServer:
     """One tritonserver child process. Use as a context manager, or start()/stop()."""
 
@@ -233,6 +244,7 @@ class TritonServer:
         self.process = subprocess.Popen(
             self.command(binary, backend_dir), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         try:
@@ -306,7 +318,7 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             pass
         self.process = None
-        if self._workdir is not None and (self.log_path is None or not str(self.log_path).startswith(str(self._workdir))):
+        if self._workdir is not None and not self.options.keep_workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
 
     def __enter__(self) -> "TritonServer":

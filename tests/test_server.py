@@ -247,7 +247,16 @@ def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
     assert "stopped" in rest
     left = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout.split()
     assert not left
-    assert not [pid for pid in stub_pids if os.path.exists(f"/proc/{pid}")]
+    assert not [pid for pid in stub_pids if _alive(pid)]
+
+
+def _alive(pid: str) -> bool:
+    """Running, not a zombie (this container's init may not reap orphans)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _children_of(pids: list[str]) -> list[str]:

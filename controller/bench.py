@@ -1,0 +1,652 @@
+"""The benchmark: one traffic scenario, four arms, each on its own fresh tritonserver.
+
+Every arm replays the *same* open-loop Poisson schedule (same trace, same seed), and latency is
+measured from each request's scheduled send time (no coordinated omission).
+
+Arms:
+  default      Triton's defaults as shipped: 1 instance, max_queue_delay_us 0.
+  best_static  the one config the sweep predicts gives the most goodput over the whole trace
+               (each phase weighted by its duration; within 1% counts as a tie, and ties go to
+               fewer instances, then the shorter delay).
+  oracle       the best sweep config per phase (same rule), switched at each phase border by a
+               background thread through the Actuator. It knows the future phase boundaries: a
+               hindsight reference, not a deployable policy.
+  adaptive     the controller as a separate process (`python -m controller run`), starting from
+               the default 1 instance / 0 us; its CPU is read from /proc/<pid>/stat.
+
+Predictions from the sweep (pure, see `predicted_phase_goodput`): for each config, the fraction
+of offered load served within the SLA is interpolated linearly in the offered rate between the
+sweep's load levels (flat beyond the lowest and highest level); a phase's predicted goodput is
+the mean of rate(t) * fraction(rate(t)) over the phase, sampled every 0.5 s, so ramps and bursts
+are weighed by the rates they actually offer.
+
+Metrics (see `summarize_bench`): goodput (completions within the SLA per second of trace),
+p99 per phase, failures, instance-seconds (the integral of the live instance count over the
+trace, from the applied changes), reloads, goodput ratios, `reaction_s` per step change of the
+offered rate, `first_good_config_s`, controller CPU, and the issue's targets with met/missed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .loadgen import Trace, load_trace, poisson_schedule, summarize, run_open_loop_sync, make_inputs_from_config
+from .sweep import Cell, cells_of, load_sweep
+from .types import Settings
+
+ARMS = ("default", "best_static", "oracle", "adaptive")
+DEFAULT_SETTINGS = Settings(1, 0)          # Triton's defaults for sim_accel: 1 instance, no batching delay
+TIE_TOLERANCE = 0.01                       # predicted goodput within 1% of the best is a tie
+PREDICTION_STEP_S = 0.5                    # sampling step of rate(t) inside a phase
+STEP_CHANGE_RATIO = 0.2                    # a phase border is a step if the rate jumps >= 20%
+REACTION_WITHIN = 0.10                     # adaptive goodput within 10% of the oracle's ...
+REACTION_HOLD_BINS = 3                     # ... for 3 consecutive 1-s bins (or until the next step)
+CONTROLLER_LEAD_S = 2.0                    # the controller process starts this long before traffic
+REQUEST_TIMEOUT_S = 10.0
+SCHEDULE_MAX_REQUESTS = 2_000_000
+
+TARGETS = {   # name -> (comparison, threshold), from issue 4
+    "adaptive_vs_default": (">=", 2.0),
+    "adaptive_vs_best_static": (">=", 0.95),
+    "instance_seconds_adaptive_vs_best_static": ("<=", 0.75),
+    "adaptive_vs_oracle": (">=", 0.9),
+    "failed_requests_every_arm": ("==", 0),
+    "max_reaction_s": ("<=", 30.0),
+    "first_good_config_s": ("<=", 60.0),
+    "controller_cpu_pct": ("<=", 2.0),
+}
+
+
+class BenchError(ValueError):
+    """Bad bench input (scenario, sweep file, options); one line for the user."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: predictions and choices from sweep cells
+# ---------------------------------------------------------------------------------------------
+def _fraction_curves(cells: Sequence[Cell]) -> dict[Settings, tuple[np.ndarray, np.ndarray]]:
+    """Per config: (load levels, fraction of offered requests served within the SLA)."""
+    curves: dict[Settings, tuple[np.ndarray, np.ndarray]] = {}
+    for s in sorted({c.settings for c in cells}, key=lambda s: (s.instance_count, s.max_queue_delay_us)):
+        pts = sorted((c for c in cells if c.settings == s), key=lambda c: c.arrival_rps)
+        xs = np.array([c.arrival_rps for c in pts], dtype=float)
+        fr = np.array([min(1.0, c.goodput_rps / c.offered_rps) if c.offered_rps > 0 else 1.0 for c in pts], dtype=float)
+        curves[s] = (xs, fr)
+    return curves
+
+
+def predicted_goodput(curve: tuple[np.ndarray, np.ndarray], rate_rps: np.ndarray | float) -> np.ndarray:
+    """rate * within-SLA fraction, the fraction interpolated between levels (flat outside them).
+
+    Example: levels 100 -> 0.99 and 300 -> 0.5; at 200 req/s the fraction is 0.745: 149 req/s.
+    """
+    xs, fr = curve
+    rate = np.asarray(rate_rps, dtype=float)
+    return rate * np.interp(rate, xs, fr)
+
+
+def predicted_phase_goodput(cells: Sequence[Cell], trace: Trace, step_s: float = PREDICTION_STEP_S
+                            ) -> dict[Settings, list[float]]:
+    """Per config, the predicted goodput (req/s) of every phase of `trace`."""
+    out: dict[Settings, list[float]] = {}
+    for s, curve in _fraction_curves(cells).items():
+        per_phase = []
+        for p in trace.phases:
+            n = max(1, int(round(p.duration_s / step_s)))
+            t = p.start_s + (np.arange(n) + 0.5) * (p.duration_s / n)
+            per_phase.append(float(predicted_goodput(curve, p.rates_at(t)).mean()))
+        out[s] = per_phase
+    return out
+
+
+def pick(predicted: dict[Settings, float], tie_tolerance: float = TIE_TOLERANCE) -> Settings:
+    """The config with the most predicted goodput; within `tie_tolerance` of it counts as a tie,
+    and ties go to fewer instances, then the shorter delay.
+
+    Example: {(1,0): 124.5, (2,0): 198.9, (4,0): 200.0} -> (2,0): 198.9 >= 0.99 * 200 = 198.
+    """
+    if not predicted:
+        raise BenchError("the sweep has no cells to choose a config from")
+    best = max(predicted.values())
+    tied = [s for s, g in predicted.items() if g >= best * (1.0 - tie_tolerance)]
+    return min(tied, key=lambda s: (s.instance_count, s.max_queue_delay_us))
+
+
+def choose_best_static(cells: Sequence[Cell], trace: Trace, tie_tolerance: float = TIE_TOLERANCE
+                       ) -> tuple[Settings, float]:
+    """The single config with the most predicted goodput over the whole trace (phases weighted by
+    duration), and that goodput in req/s."""
+    per_phase = predicted_phase_goodput(cells, trace)
+    total = {s: sum(g * p.duration_s for g, p in zip(gs, trace.phases)) / trace.duration_s
+             for s, gs in per_phase.items()}
+    best = pick(total, tie_tolerance)
+    return best, total[best]
+
+
+def choose_oracle(cells: Sequence[Cell], trace: Trace, tie_tolerance: float = TIE_TOLERANCE
+                  ) -> list[tuple[Settings, float]]:
+    """Per phase, the config with the most predicted goodput in that phase (same tie rule)."""
+    per_phase = predicted_phase_goodput(cells, trace)
+    plan = []
+    for k in range(len(trace.phases)):
+        s = pick({cfg: gs[k] for cfg, gs in per_phase.items()}, tie_tolerance)
+        plan.append((s, per_phase[s][k]))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: metrics from timelines and bins
+# ---------------------------------------------------------------------------------------------
+def instance_seconds(events: Sequence[tuple[float, int]], duration_s: float) -> float:
+    """Integral of the live instance count over [0, duration_s].
+
+    `events` are (time, count) pairs, sorted; the first gives the count from t=0 (changes before 0
+    count from 0, after duration_s not at all). Example: [(0, 1), (30, 4), (90, 2)] over 120 s
+    -> 1*30 + 4*60 + 2*30 = 330.
+    """
+    if not events:
+        return 0.0
+    total = 0.0
+    for k, (t, count) in enumerate(events):
+        start = min(max(t, 0.0), duration_s)
+        end = duration_s if k + 1 == len(events) else min(max(events[k + 1][0], 0.0), duration_s)
+        total += count * max(0.0, end - start)
+    return total
+
+
+def step_changes(trace: Trace, min_ratio: float = STEP_CHANGE_RATIO) -> list[dict]:
+    """Phase borders where the offered rate jumps by at least `min_ratio` of the larger side.
+
+    Example: a ramp 40 -> 300 followed by a constant 300 is no step; 300 -> 380 is one
+    (80 >= 0.2 * 380 = 76); 380 -> 320 is not (60 < 76).
+    """
+    steps = []
+    for before, after in zip(trace.phases, trace.phases[1:]):
+        r0 = float(before.rates_at(np.array([after.start_s - 1e-6]))[0])
+        r1 = float(after.rates_at(np.array([after.start_s]))[0])
+        if abs(r1 - r0) >= min_ratio * max(r0, r1) and max(r0, r1) > 0:
+            steps.append({"at_s": after.start_s, "from_phase": before.name, "to_phase": after.name,
+                          "from_rps": round(r0, 1), "to_rps": round(r1, 1)})
+    return steps
+
+
+def reaction_times(steps: Sequence[dict], adaptive_bins: Sequence[dict], oracle_bins: Sequence[dict],
+                   duration_s: float, within: float = REACTION_WITHIN, hold_bins: int = REACTION_HOLD_BINS
+                   ) -> list[dict]:
+    """Per step: seconds from the step until the adaptive arm's per-bin goodput is within `within`
+    of the oracle's (adaptive >= (1 - within) * oracle) for `hold_bins` consecutive bins, counted to
+    the end of the first of them; the search stops at the next step (None if never).
+
+    Example: step at 60 s; bins [60,61) and [61,62) at 50% of the oracle, then 95%, 92%, 99%
+    -> reaction_s = 63 - 60 = 3.
+    """
+    out = []
+    for k, step in enumerate(steps):
+        stop_s = steps[k + 1]["at_s"] if k + 1 < len(steps) else duration_s
+        idx = [i for i, b in enumerate(adaptive_bins) if step["at_s"] - 1e-9 <= b["start_s"] < stop_s - 1e-9]
+        ok = [adaptive_bins[i]["goodput_rps"] >= (1.0 - within) * oracle_bins[i]["goodput_rps"] for i in idx]
+        reaction = None
+        for j in range(len(ok)):
+            if all(ok[j:j + hold_bins]):
+                reaction = round(adaptive_bins[idx[j]]["end_s"] - step["at_s"], 3)
+                break
+        out.append({**step, "reaction_s": reaction})
+    return out
+
+
+def first_good_config_s(bins: Sequence[dict], sla_ms: float) -> float | None:
+    """End of the first bin with load whose p99 meets the SLA and with no failure (cold start = 0)."""
+    for b in bins:
+        if b["offered_rps"] > 0 and b["failed"] == 0 and b["p99_ms"] is not None and b["p99_ms"] <= sla_ms:
+            return b["end_s"]
+    return None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def bench_ratios(arms: dict[str, dict]) -> dict[str, float | None]:
+    """Goodput ratios of the adaptive arm to each other arm, and its instance-seconds ratio."""
+    g = {name: a.get("goodput_rps") for name, a in arms.items()}
+    ad = g.get("adaptive")
+    return {
+        "adaptive_vs_default": ratio(ad, g.get("default")),
+        "adaptive_vs_best_static": ratio(ad, g.get("best_static")),
+        "adaptive_vs_oracle": ratio(ad, g.get("oracle")),
+        "instance_seconds_adaptive_vs_best_static": ratio(arms.get("adaptive", {}).get("instance_seconds"),
+                                                          arms.get("best_static", {}).get("instance_seconds")),
+    }
+
+
+def evaluate_targets(summary: dict) -> dict[str, dict]:
+    """Each target of issue 4 with its measured value and met (True/False; None if not measured)."""
+    r = summary["ratios"]
+    arms = summary["arms"]
+    reactions = summary.get("reaction_s") or []
+    reaction_values = [x["reaction_s"] for x in reactions]
+    values = {
+        **{k: r.get(k) for k in ("adaptive_vs_default", "adaptive_vs_best_static",
+                                 "instance_seconds_adaptive_vs_best_static", "adaptive_vs_oracle")},
+        "failed_requests_every_arm": (sum(a["failed_requests"] for a in arms.values())
+                                      if len(arms) == len(ARMS) else None),
+        # a step the adaptive arm never caught up with counts as infinitely slow
+        "max_reaction_s": (None if "adaptive" not in arms or "oracle" not in arms else
+                           (math.inf if any(v is None for v in reaction_values) else max(reaction_values, default=0.0))),
+        "first_good_config_s": summary.get("first_good_config_s"),
+        "controller_cpu_pct": summary.get("controller_cpu_pct"),
+    }
+    if "adaptive" in arms and values["first_good_config_s"] is None:
+        values["first_good_config_s"] = math.inf
+    out = {}
+    for name, (op, threshold) in TARGETS.items():
+        v = values[name]
+        met = None if v is None else {">=": v >= threshold, "<=": v <= threshold, "==": v == threshold}[op]
+        out[name] = {"target": f"{op} {threshold:g}", "value": (None if v is None else
+                                                                 ("never" if v == math.inf else round(v, 3))),
+                     "met": met}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the arms
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BenchOptions:
+    scenario: Path
+    out: Path
+    sweep: Path | None = None
+    sla_ms: float = 40.0
+    model: str = "sim_accel"
+    repository: Path | None = None
+    arms: Sequence[str] = ARMS
+    seed: int = 0
+    max_instances: int = 8
+    controller_interval_s: float = 1.0
+    controller_window_s: float = 10.0
+    instances: Sequence[int] = (1, 2, 4, 6)
+    delays_us: Sequence[int] = (0, 2000)
+    sweep_seconds: float = 4.0
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of a process in seconds, from /proc/<pid>/stat (None if gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # fields 14, 15 of stat
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _OracleSwitcher(threading.Thread):
+    """Applies the oracle's per-phase config at each phase border (relative to `t0`, monotonic)."""
+
+    def __init__(self, grpc_url: str, http_url: str, model: str, plan: list[tuple[float, Settings]], t0: float):
+        super().__init__(daemon=True, name="oracle-switcher")
+        from .actuation import Actuator, TritonControl
+        self.control = TritonControl(grpc_url, http_url)
+        self.actuator = Actuator(self.control)
+        self.model, self.plan, self.t0 = model, plan, t0
+        self.events: list[dict] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for at_s, target in self.plan:
+                if self.stop_event.wait(max(0.0, self.t0 + at_s - time.monotonic())):
+                    return
+                result = self.actuator.apply(self.model, target)
+                if result.kind == "none" and result.ok:
+                    continue
+                self.events.append({"t": round(time.monotonic() - self.t0, 3), "asked_at": at_s,
+                                    "instances": (result.live or target).instance_count,
+                                    "delay_us": (result.live or target).max_queue_delay_us,
+                                    "kind": result.kind, "ok": result.ok, "apply_s": round(result.seconds, 2),
+                                    "error": result.error or None})
+        finally:
+            self.control.close()
+
+
+def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Path) -> None:
+    import yaml
+    doc = {"server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
+           "controller": {"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
+                          "decision_log": str(decision_log), "gpu": "simulated"},
+           "models": {opts.model: {"p99_target_ms": opts.sla_ms, "max_instances": opts.max_instances}}}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def _read_decisions(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, initial: Settings,
+            oracle_plan: list[tuple[float, Settings]] | None = None) -> dict:
+    """Run one arm on its own fresh server; return its records, change events and extras."""
+    from .actuation import Actuator, TritonControl
+    from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            models=[opts.model], repository=opts.repository or DEFAULT_REPOSITORY)
+    extra: dict = {}
+    t_start = time.monotonic()
+    with TritonServer(options) as server:
+        server_start_s = time.monotonic() - t_start
+        control = TritonControl(server.grpc_url, server.http_url)
+        try:
+            result = Actuator(control).apply(opts.model, initial)
+            if not result.ok:
+                raise ServerError(f"{arm}: cannot apply the initial config {initial}: {result.error}")
+            make_inputs = make_inputs_from_config(server.http_url, opts.model)
+            events = [{"t": 0.0, "instances": initial.instance_count, "delay_us": initial.max_queue_delay_us,
+                       "kind": "initial"}]
+            controller = switcher = None
+            decision_log = opts.out / "adaptive_decisions.jsonl"
+            if arm == "adaptive":
+                decision_log.unlink(missing_ok=True)
+                cfg_path = opts.out / "adaptive_controller.yaml"
+                _controller_config(cfg_path, server, opts, decision_log)
+                log_file = open(opts.out / "adaptive_controller.log", "wb")
+                env = dict(os.environ)
+                root = str(Path(__file__).resolve().parent.parent)
+                env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+                controller = subprocess.Popen(
+                    [sys.executable, "-m", "controller", "run", "--config", str(cfg_path),
+                     "--duration-s", str(trace.duration_s + CONTROLLER_LEAD_S + 2 * REQUEST_TIMEOUT_S + 30)],
+                    cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                log_file.close()
+                spawned = time.monotonic()
+                time.sleep(CONTROLLER_LEAD_S)
+                if controller.poll() is not None:
+                    raise ServerError(f"the controller exited with code {controller.returncode} before the traffic; "
+                                      f"see {opts.out / 'adaptive_controller.log'}")
+                cpu_start = _proc_cpu_s(controller.pid)
+            wall0, t0 = time.time(), time.monotonic()
+            if arm == "oracle" and oracle_plan:
+                switcher = _OracleSwitcher(server.grpc_url, server.http_url, opts.model, oracle_plan[1:], t0)
+                switcher.start()
+            records = run_open_loop_sync(server.grpc_url, opts.model, schedule, make_inputs, protocol="grpc",
+                                         timeout_s=REQUEST_TIMEOUT_S)
+            traffic_s = time.monotonic() - t0
+            if switcher is not None:
+                switcher.stop_event.set()
+                switcher.join(timeout=REQUEST_TIMEOUT_S * 3)
+                events += switcher.events
+            if controller is not None:
+                cpu_end = _proc_cpu_s(controller.pid)
+                t_end = time.monotonic()
+                controller.send_signal(signal.SIGTERM)
+                try:
+                    controller.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    controller.kill()
+                    controller.wait(timeout=10)
+                decisions = _read_decisions(decision_log)
+                for rec in decisions:
+                    if rec.get("action") == "applied":
+                        live = rec.get("live") or rec.get("target") or {}
+                        events.append({"t": round(rec["time"] - wall0, 3), "instances": live.get("instances"),
+                                       "delay_us": live.get("delay_us"), "kind": rec.get("kind"),
+                                       "reason": rec.get("reason"), "apply_s": rec.get("apply_s")})
+                reasons: dict[str, int] = {}
+                for rec in decisions:
+                    reasons[rec.get("reason", "?")] = reasons.get(rec.get("reason", "?"), 0) + 1
+                extra["controller"] = {
+                    "cpu_pct": (None if cpu_start is None or cpu_end is None else
+                                round(100.0 * (cpu_end - cpu_start) / (t_end - t0), 3)),
+                    "cpu_pct_incl_startup": (None if cpu_end is None else
+                                             round(100.0 * cpu_end / (t_end - spawned), 3)),
+                    "cpu_s": cpu_end, "exit_code": controller.returncode, "decision_records": len(decisions),
+                    "reasons_logged": reasons}
+            events.sort(key=lambda e: e["t"])
+            try:
+                extra["live_at_end"] = dataclasses.asdict(Actuator(control).read(opts.model)[1])
+            except Exception:  # noqa: BLE001 - informational only
+                extra["live_at_end"] = None
+        finally:
+            control.close()
+    extra.update(server_start_s=round(server_start_s, 2), traffic_s=round(traffic_s, 2))
+    return {"records": records, "events": events, "extra": extra}
+
+
+def arm_summary(arm: str, run: dict, trace: Trace, sla_ms: float) -> tuple[dict, list[dict]]:
+    """(the arm's summary entry, its per-bin dicts)."""
+    s = summarize(run["records"], trace, sla_ms, bin_s=1.0)
+    events = run["events"]
+    changes = [e for e in events if e["kind"] not in ("initial", "none")]
+    applied = [e for e in changes if e.get("ok", True)]
+    entry = {
+        "goodput_rps": s.totals.goodput_rps,
+        "requests": s.totals.requests,
+        "failed_requests": s.totals.failed,
+        "errors": s.totals.errors,
+        "p99_ms": _p99_all(run["records"]),
+        "p99_ms_by_phase": {p.name: p.p99_ms for p in s.phases},
+        "goodput_rps_by_phase": {p.name: p.goodput_rps for p in s.phases},
+        "instance_seconds": instance_seconds([(e["t"], e["instances"]) for e in events if e.get("ok", True)],
+                                             trace.duration_s),
+        "reloads": len(applied),
+        "full_reloads": sum(1 for e in applied if e["kind"] == "full_reload"),
+        "instance_updates": sum(1 for e in applied if e["kind"] == "in_place"),
+        "failed_changes": sum(1 for e in changes if not e.get("ok", True)),
+        "changes": events,
+        **run["extra"],
+    }
+    entry["mean_instances"] = entry["instance_seconds"] / trace.duration_s
+    return entry, [dataclasses.asdict(b) for b in s.bins]
+
+
+def _p99_all(records) -> float | None:
+    ms = np.array([1000.0 * r.latency_s for r in records if r.ok], dtype=float)
+    return float(np.percentile(ms, 99)) if ms.size else None
+
+
+def summarize_bench(arms: dict[str, dict], bins: dict[str, list[dict]], trace: Trace, sla_ms: float) -> dict:
+    """ratios, reaction_s, first_good_config_s, controller CPU and targets over the arms run."""
+    summary: dict = {"arms": arms, "ratios": bench_ratios(arms)}
+    steps = step_changes(trace)
+    if "adaptive" in bins and "oracle" in bins:
+        summary["reaction_s"] = reaction_times(steps, bins["adaptive"], bins["oracle"], trace.duration_s)
+    else:
+        summary["reaction_s"] = [{**s, "reaction_s": None} for s in steps]
+    summary["first_good_config_s"] = first_good_config_s(bins["adaptive"], sla_ms) if "adaptive" in bins else None
+    summary["controller_cpu_pct"] = arms.get("adaptive", {}).get("controller", {}).get("cpu_pct")
+    summary["targets"] = evaluate_targets(summary)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+def _f(x, fmt="{:.1f}") -> str:
+    return "-" if x is None else ("never" if x == "never" else fmt.format(x))
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{'arm':<12} {'goodput/s':>9} {'p99_ms':>8} {'worst phase p99':>16} {'failed':>6} "
+             f"{'inst-s':>8} {'mean inst':>9} {'reloads':>8}"]
+    for name, a in summary["arms"].items():
+        worst = max(((v, k) for k, v in a["p99_ms_by_phase"].items() if v is not None), default=(None, ""))
+        lines.append(f"{name:<12} {a['goodput_rps']:>9.1f} {_f(a['p99_ms']):>8} "
+                     f"{(_f(worst[0]) + ' ' + worst[1])[:16]:>16} {a['failed_requests']:>6} "
+                     f"{a['instance_seconds']:>8.0f} {a['mean_instances']:>9.2f} "
+                     f"{a['reloads']:>3} ({a['full_reloads']}f)")
+    lines.append("ratios: " + ", ".join(f"{k} {_f(v, '{:.3f}')}" for k, v in summary["ratios"].items()))
+    lines.append("reaction_s: " + (", ".join(f"{r['from_phase']}->{r['to_phase']} ({r['from_rps']:g}->{r['to_rps']:g}/s) "
+                                             f"{_f(r['reaction_s'], '{:.0f}') if r['reaction_s'] is not None else 'never'}"
+                                             for r in summary["reaction_s"]) or "no step changes"))
+    lines.append(f"first_good_config_s: {_f(summary['first_good_config_s'], '{:.0f}')}, "
+                 f"controller_cpu_pct: {_f(summary['controller_cpu_pct'], '{:.2f}')}")
+    lines.append("targets:")
+    for name, t in summary["targets"].items():
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        value = t["value"] if isinstance(t["value"], str) else _f(t["value"], "{:.3g}")
+        lines.append(f"  {name:<42} {t['target']:>8}  value {value:>8}  {verdict}")
+    return "\n".join(lines)
+
+
+def plot_timeline(trace: Trace, summary: dict, bins: dict[str, list[dict]], path: Path, sla_ms: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"default": "tab:gray", "best_static": "tab:blue", "oracle": "tab:green", "adaptive": "tab:red"}
+    fig, axes = plt.subplots(5, 1, figsize=(11, 12), sharex=True)
+    t_fine = np.linspace(0, trace.duration_s, 2000, endpoint=False)
+    axes[0].plot(t_fine, [trace.rate_at(t) for t in t_fine], color="black", linewidth=1, label="trace rate")
+    first = next(iter(bins.values()))
+    axes[0].step([b["start_s"] for b in first], [b["offered_rps"] for b in first], where="post",
+                 color="tab:orange", linewidth=0.8, label="offered (per 1-s bin)")
+    for p in trace.phases[1:]:
+        for ax in axes:
+            ax.axvline(p.start_s, color="black", alpha=0.15, linewidth=0.8)
+    for name, bs in bins.items():
+        c = colors.get(name)
+        xs = [b["start_s"] for b in bs]
+        axes[1].step(xs, [b["goodput_rps"] for b in bs], where="post", color=c, linewidth=1, label=name)
+        axes[2].step(xs, [b["p99_ms"] if b["p99_ms"] is not None else np.nan for b in bs], where="post", color=c,
+                     linewidth=1, label=name)
+        ev = [e for e in summary["arms"][name]["changes"] if e.get("ok", True)]
+        tx = [max(0.0, e["t"]) for e in ev] + [trace.duration_s]
+        axes[3].step(tx, [e["instances"] for e in ev] + [ev[-1]["instances"]], where="post", color=c, label=name)
+        axes[4].step(tx, [e["delay_us"] for e in ev] + [ev[-1]["delay_us"]], where="post", color=c, label=name)
+    axes[2].axhline(sla_ms, color="red", linestyle=":", linewidth=1, label=f"SLA {sla_ms:g} ms")
+    axes[2].set_yscale("log")
+    titles = ["offered rate (req/s)", "goodput (req/s within SLA)", "p99 (ms, per 1-s bin)", "instances",
+              "max_queue_delay_us"]
+    for ax, title in zip(axes, titles):
+        ax.set_ylabel(title, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right", ncol=5)
+    axes[-1].set_xlabel("time (s)")
+    r = summary["ratios"]
+    prefix = "SIMULATED accelerator (sim_accel): " if summary.get("model") == "sim_accel" else ""
+    axes[0].set_title(prefix + f"adaptive/default {_f(r['adaptive_vs_default'], '{:.2f}')}, "
+                        f"adaptive/best_static {_f(r['adaptive_vs_best_static'], '{:.2f}')}, "
+                        f"adaptive/oracle {_f(r['adaptive_vs_oracle'], '{:.2f}')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration
+# ---------------------------------------------------------------------------------------------
+def bench(opts: BenchOptions) -> dict:
+    """Run the arms of `opts` and write summary.json and timeline.png under opts.out."""
+    from .loadgen import TraceError
+    from .sweep import rates_from_trace, run_sweep, write_sweep
+
+    try:
+        trace = load_trace(opts.scenario)
+    except TraceError as e:
+        raise BenchError(f"scenario: {e}") from None
+    if trace.peak_rps > 400:
+        _log(f"warning: the scenario peaks at {trace.peak_rps:g} req/s; the load generator sustains about 400 here")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    need_sweep = any(a in ("best_static", "oracle") for a in opts.arms)
+    sweep_path = opts.sweep
+    cells: list[Cell] = []
+    if need_sweep:
+        if sweep_path is None:
+            rates = rates_from_trace(trace)
+            _log(f"no --sweep given: sweeping {list(opts.instances)} instances x {list(opts.delays_us)} us x {rates} req/s")
+            doc = run_sweep(opts.model, opts.instances, opts.delays_us, rates, seconds=opts.sweep_seconds,
+                            sla_ms=opts.sla_ms, seed=opts.seed, repository=opts.repository)
+            sweep_path = write_sweep(doc, opts.out)
+        try:
+            doc = load_sweep(sweep_path)
+            cells = cells_of(doc)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        if abs(float(doc.get("sla_ms", opts.sla_ms)) - opts.sla_ms) > 1e-9:
+            raise BenchError(f"the sweep {sweep_path} was measured against a {doc['sla_ms']:g} ms SLA, the bench asks "
+                             f"{opts.sla_ms:g} ms: rerun the sweep or pass --sla-ms {doc['sla_ms']:g}")
+        if doc.get("model", opts.model) != opts.model:
+            raise BenchError(f"the sweep {sweep_path} is of model {doc['model']!r}, the bench runs {opts.model!r}")
+    best_static = choose_best_static(cells, trace) if cells else None
+    oracle = choose_oracle(cells, trace) if cells else None
+    schedule = poisson_schedule(trace, opts.seed, SCHEDULE_MAX_REQUESTS)
+    _log(f"scenario {opts.scenario}: {len(trace.phases)} phases, {trace.duration_s:g} s, {len(schedule)} requests "
+         f"(seed {opts.seed}), SLA p99 <= {opts.sla_ms:g} ms")
+    if best_static:
+        _log(f"best_static: {best_static[0].instance_count} inst, {best_static[0].max_queue_delay_us} us "
+             f"(predicted goodput {best_static[1]:.1f}/s)")
+    if oracle:
+        _log("oracle plan: " + ", ".join(f"{p.name}={s.instance_count}/{s.max_queue_delay_us}"
+                                         for p, (s, _) in zip(trace.phases, oracle)))
+    arms: dict[str, dict] = {}
+    bins: dict[str, list[dict]] = {}
+    arms_dir = opts.out / "arms"
+    arms_dir.mkdir(exist_ok=True)
+    for arm in [a for a in ARMS if a in opts.arms]:
+        t = time.monotonic()
+        _log(f"arm {arm}: starting a fresh server ...")
+        if arm == "best_static":
+            run = run_arm(arm, trace, schedule, opts, best_static[0])
+        elif arm == "oracle":
+            plan = [(p.start_s, s) for p, (s, _) in zip(trace.phases, oracle)]
+            run = run_arm(arm, trace, schedule, opts, plan[0][1], oracle_plan=plan)
+        else:
+            run = run_arm(arm, trace, schedule, opts, DEFAULT_SETTINGS)
+        arms[arm], bins[arm] = arm_summary(arm, run, trace, opts.sla_ms)
+        (arms_dir / f"{arm}.json").write_text(json.dumps({"summary": arms[arm], "bins": bins[arm]}, indent=1))
+        _log(f"arm {arm}: goodput {arms[arm]['goodput_rps']:.1f}/s, failed {arms[arm]['failed_requests']}, "
+             f"{arms[arm]['instance_seconds']:.0f} instance-s, {arms[arm]['reloads']} change(s) "
+             f"({time.monotonic() - t:.0f} s)")
+    summary = {"scenario": str(opts.scenario), "model": opts.model, "sla_ms": opts.sla_ms, "seed": opts.seed,
+               "duration_s": trace.duration_s, "requests": int(len(schedule)),
+               "sweep": None if sweep_path is None else str(sweep_path),
+               "best_static": None if not best_static else {
+                   "instances": best_static[0].instance_count, "delay_us": best_static[0].max_queue_delay_us,
+                   "predicted_goodput_rps": round(best_static[1], 2)},
+               "oracle_plan": None if not oracle else [
+                   {"phase": p.name, "start_s": p.start_s, "instances": s.instance_count,
+                    "delay_us": s.max_queue_delay_us, "predicted_goodput_rps": round(g, 2)}
+                   for p, (s, g) in zip(trace.phases, oracle)],
+               **summarize_bench(arms, bins, trace, opts.sla_ms)}
+    (opts.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_timeline(trace, summary, bins, opts.out / "timeline.png", opts.sla_ms)
+    return summary
+
+
+def run_bench(args) -> int:
+    """The `bench` verb: options from argparse, the table on stdout."""
+    for p in (args.scenario, args.sweep):
+        if p is not None and not Path(p).is_file():
+            raise BenchError(f"{p}: no such file")
+    opts = BenchOptions(scenario=args.scenario, out=args.out, sweep=args.sweep, sla_ms=args.sla_ms, model=args.model,
+                        repository=args.repository, arms=args.arms or ARMS, seed=args.seed,
+                        max_instances=args.max_instances, controller_interval_s=args.controller_interval_s,
+                        controller_window_s=args.controller_window_s, instances=args.instances,
+                        delays_us=args.delays_us, sweep_seconds=args.sweep_seconds)
+    summary = bench(opts)
+    print(format_summary(summary))
+    print(f"wrote {opts.out / 'summary.json'} and {opts.out / 'timeline.png'}")
+    return 0
