@@ -189,6 +189,8 @@ def parse_config(raw: Any) -> ControllerConfig:
         raise ConfigError(f"{unknown[0]}: unknown section; valid sections: {', '.join(sorted(allowed))}")
     server = _build(ServerConfig, raw.get("server"), "server")
     loop = _build(LoopConfig, raw.get("controller"), "controller")
+    if loop.interval_s > loop.window_s:
+        raise ConfigError(f"controller.interval_s: must be <= window_s ({loop.window_s:g}), got {loop.interval_s:g}")
     if loop.window_s < loop.min_span_s:
         raise ConfigError(f"controller.window_s: must be >= min_span_s ({loop.min_span_s:g}), got {loop.window_s:g}")
     defaults = _check_limits(_build(ModelLimits, raw.get("defaults"), "defaults"), "defaults")

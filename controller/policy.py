@@ -39,7 +39,8 @@ LOW_P99_FRACTION = 0.5           # scale down only with p99 under half the targe
 LOW_BUSY_AFTER = 0.6             # ... and the remaining instances would be <= 60% busy
 LIGHT_BUSY = 0.3                 # light load: instances busy < 30% and no queue
 PERF_MEMORY = 200                # perf points kept
-SATURATION_MEMORY_S = 300.0      # a saturation mark is trusted this long
+SATURATION_MEMORY_S = 300.0      # a saturation mark (and a delay found too long) is trusted this long
+LEARNED_MAX_MEMORY_S = 600.0     # a count that failed to load is not retried for this long
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,10 @@ class PolicyState:
     low_since: float | None = None
     saturated_at: int | None = None          # adding past this count brought nothing ...
     saturated_until: float = -math.inf       # ... as of this long ago
-    learned_max_instances: int | None = None  # from failed loads (e.g. out of memory)
+    learned_max_instances: int | None = None  # from failed loads (e.g. out of memory) ...
+    learned_max_until: float = -math.inf      # ... trusted until then (other models may free memory)
+    delay_cap_us: int | None = None           # a delay that pushed p99 over the target ...
+    delay_cap_until: float = -math.inf        # ... is not exceeded again until then
     failures: int = 0
     backoff_until: float = -math.inf
     instance_memory_bytes: float | None = None
@@ -138,7 +142,9 @@ def learn_instance_memory(state: PolicyState, used_now: int | None) -> PolicySta
     Averaged with the previous estimate so one noisy reading does not dominate.
     """
     step = state.last_step
-    if step is None or used_now is None or step.memory_used_before is None:
+    # why: a step teaches once (on its first settled data, when it is also reviewed); re-learning each
+    # tick would let later readings, and other processes' memory, replace the estimate
+    if step is None or step.reviewed or used_now is None or step.memory_used_before is None:
         return state
     delta_n = step.after.instance_count - step.before.instance_count
     if delta_n == 0 or step.after.max_queue_delay_us != step.before.max_queue_delay_us:
@@ -190,10 +196,11 @@ def pressured(obs: Observation, limits: ModelLimits) -> bool:
 def review_step(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float) -> tuple[PolicyState, Decision | None]:
     """Judge an instance added last time, once, on fresh data.
 
-    It helped if throughput rose by `min_gain_pct` or the pressure went away. If it did neither,
-    mark the model saturated at the smaller count and step back.
-    Example: 3 -> 4 instances, completions 400 -> 410 req/s (+2.5% < 10%), queue still building:
-    saturated at 3, back to 3.
+    It helped if throughput rose by `min_gain_pct`, p99 fell by `min_gain_pct`, or the pressure
+    went away. If it did none, mark the model saturated at the smaller count and step back.
+    Example: 3 -> 4 instances, completions 400 -> 410 req/s (+2.5% < 10%), p99 95 -> 95 ms,
+    queue still building: saturated at 3, back to 3. But 1 -> 2 instances at 138 req/s
+    (completions 130 -> 138, +6%) with p99 1969 -> 44 ms helped: demand, not capacity, capped the gain.
     """
     step = state.last_step
     if step is None or step.reviewed or step.after != current:
@@ -202,7 +209,10 @@ def review_step(obs: Observation, current: Settings, state: PolicyState, limits:
     if step.after.instance_count <= step.before.instance_count or step.after.max_queue_delay_us != step.before.max_queue_delay_us:
         return state, None
     gain = (obs.completion_rps - step.completion_rps_before) / max(step.completion_rps_before, 1e-9)
-    if gain * 100 >= limits.min_gain_pct or not pressured(obs, limits):
+    # why: below capacity throughput only follows demand; a step that cut p99 did relieve the queue
+    relief = (step.p99_ms_before is not None and obs.p99_ms is not None
+              and obs.p99_ms <= step.p99_ms_before * (1 - limits.min_gain_pct / 100))
+    if gain * 100 >= limits.min_gain_pct or relief or not pressured(obs, limits):
         return state, None
     back = step.before.instance_count
     state = dataclasses.replace(state, saturated_at=back, saturated_until=now + SATURATION_MEMORY_S)
@@ -217,7 +227,7 @@ def review_step(obs: Observation, current: Settings, state: PolicyState, limits:
 def instance_ceiling(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation, now: float) -> tuple[int, str]:
     """The most instances allowed now and what sets it."""
     caps = [(limits.max_instances, "HoldAtMax")]
-    if state.learned_max_instances is not None:
+    if state.learned_max_instances is not None and now < state.learned_max_until:
         caps.append((state.learned_max_instances, "HoldLearnedMax"))
     if state.saturated_at is not None and now < state.saturated_until:
         caps.append((state.saturated_at, "HoldSaturated"))
@@ -305,8 +315,11 @@ def decide_delay(obs: Observation, current: Settings, state: PolicyState, limits
         return Decision(dataclasses.replace(current, max_queue_delay_us=halved), "DelayDecreaseLightLoad",
                         detail=f"busy {obs.busy_fraction:.0%}, no queue")
     small_batches = max_batch_size <= 0 or obs.avg_batch_size < max_batch_size / 2
-    if ceiling_reached and pressured(obs, limits) and small_batches and d < limits.max_delay_us:
-        new = min(limits.max_delay_us, max(d + limits.delay_step_us, limits.min_delay_us))
+    top = limits.max_delay_us
+    if state.delay_cap_us is not None and now < state.delay_cap_until:
+        top = min(top, state.delay_cap_us)    # why: a longer delay already pushed p99 over the target
+    if ceiling_reached and pressured(obs, limits) and small_batches and d < top:
+        new = min(top, max(d + limits.delay_step_us, limits.min_delay_us))
         return Decision(dataclasses.replace(current, max_queue_delay_us=new), "DelayIncreaseSmallBatches",
                         detail=f"no instance can be added; batches of {obs.avg_batch_size:.1f}")
     return None
@@ -326,6 +339,8 @@ def decide(obs: Observation, current: Settings, state: PolicyState, limits: Mode
     """One decision for one model. Pure: same inputs, same answer."""
     held = gate(obs, current, state, loop, now)
     if held is not None:
+        if held.reason == "HoldNoData" and state.low_since is not None:
+            state = dataclasses.replace(state, low_since=None)   # why: a gap breaks a low-load streak
         return held, state
     used, _ = device_memory(obs)
     state = learn_instance_memory(state, used)
@@ -339,6 +354,9 @@ def decide(obs: Observation, current: Settings, state: PolicyState, limits: Mode
     ceiling_reached = why in ("HoldAtMax", "HoldLearnedMax", "HoldSaturated", "HoldMemoryCap")
     delay = decide_delay(obs, current, state, limits, now, ceiling_reached, max_batch_size)
     if delay is not None:
+        if delay.reason == "DelayDecreaseNearTarget":
+            state = dataclasses.replace(state, delay_cap_us=delay.target.max_queue_delay_us,
+                                        delay_cap_until=now + SATURATION_MEMORY_S)
         return delay, state
     return _hold(current, why or "HoldSteady", f"p99 {_fmt(obs.p99_ms)} ms, busy {obs.busy_fraction:.0%}"), state
 
@@ -362,8 +380,8 @@ def record_failed(state: PolicyState, decision: Decision, before: Settings, now:
         learned = cap if learned is None else min(learned, cap)
     failures = state.failures + 1
     wait = backoff_s * 2 ** min(failures - 1, 4)
-    return dataclasses.replace(state, failures=failures, backoff_until=now + wait,
-                               learned_max_instances=learned, last_change_at=now)
+    return dataclasses.replace(state, failures=failures, backoff_until=now + wait, learned_max_instances=learned,
+                               learned_max_until=now + LEARNED_MAX_MEMORY_S, last_change_at=now)
 
 
 def _fmt(x: float | None) -> str:

@@ -345,18 +345,34 @@ def busy_fraction(compute_us: float, requests: float, executions: float, span_s:
     return compute_us / requests * executions / span_s / 1e6 / instances
 
 
-def _p99(samples: list[Sample]) -> tuple[float | None, str]:
-    """Newest server summary value if any, else the worst interval mean, else none."""
-    newest = samples[-1].counters.p99_us
-    if newest is not None:
-        return newest / 1000.0, "summary"
+SUMMARY_MAX_AGE_S = 60.0  # Triton 2.51's latency summaries cover about the last 60 s (prometheus-cpp default)
+
+
+def _p99(samples: list[Sample], span_s: float) -> tuple[float | None, str]:
+    """A latency figure that describes this window, not the past minute.
+
+    Triton's summary quantiles cover roughly the last 60 s whatever happened meanwhile: just
+    after a config change, or after traffic stopped, they still report the old latency (seen:
+    33 ms kept for a minute after a scale-up had removed the queue). So:
+    * no request in the window -> None (nothing to judge);
+    * a window of at least 60 s -> the newest summary value ("summary");
+    * otherwise the worst per-scrape-interval mean request time ("interval_mean_max"). With
+      1-s scrapes this tracks changes within seconds but reads lower than a true p99 (a mean of
+      1-s buckets, not a tail): treat it as a lower bound.
+    Example: intervals with 10 requests in 100 ms and 5 in 150 ms give max(10, 30) = 30 ms.
+    """
     worst_ms: float | None = None
     for before, after in zip(samples, samples[1:]):
         requests = _delta(before.counters, after.counters, "success", "failure")
         if requests > 0:
             mean_ms = _delta(before.counters, after.counters, "request_us") / requests / 1000.0
             worst_ms = mean_ms if worst_ms is None else max(worst_ms, mean_ms)
-    return (worst_ms, "interval_mean_max") if worst_ms is not None else (None, "none")
+    if worst_ms is None:
+        return None, "none"
+    newest = samples[-1].counters.p99_us
+    if newest is not None and span_s >= SUMMARY_MAX_AGE_S:
+        return newest / 1000.0, "summary"
+    return worst_ms, "interval_mean_max"
 
 
 def _custom(samples: list[Sample], span_s: float) -> dict[str, float]:
@@ -445,7 +461,7 @@ def _observation(samples: list[Sample], span_s: float, instance_count: int) -> O
     # why: arrivals = completions + queue growth; a non-atomic scrape can make it dip below 0
     arrivals = max(0.0, requests + _delta(first, last, "pending"))
     pendings = [s.counters.pending for s in samples]
-    p99_ms, p99_source = _p99(samples)
+    p99_ms, p99_source = _p99(samples, span_s)
     return Observation(
         valid=True,
         span_s=span_s,

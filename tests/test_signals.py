@@ -421,10 +421,23 @@ def test_a_sample_missing_any_required_counter_is_not_used(missing):
 
 # -- p99 and custom ------------------------------------------------------------------------------
 
-def test_p99_prefers_newest_server_summary():
-    w = window_of((0.0, C(p99_us=90_000)), (5.0, C(success=10, request_us=100_000, p99_us=12_000)))
-    obs = w.observe(now=5.0, window_s=60.0, instance_count=1)
+def test_p99_uses_the_server_summary_only_over_a_window_as_long_as_its_own():
+    w = window_of((0.0, C(p99_us=90_000)), (60.0, C(success=10, request_us=100_000, p99_us=12_000)))
+    obs = w.observe(now=60.0, window_s=60.0, instance_count=1)
     assert (obs.p99_ms, obs.p99_source) == (pytest.approx(12.0), "summary")
+
+
+def test_p99_ignores_a_summary_older_than_the_window():
+    """A 5-s window: the summary still holds the last minute, so the fresh interval mean is used."""
+    w = window_of((0.0, C(p99_us=90_000)), (5.0, C(success=10, request_us=100_000, p99_us=33_000)))
+    obs = w.observe(now=5.0, window_s=60.0, instance_count=1)
+    assert (obs.p99_ms, obs.p99_source) == (pytest.approx(10.0), "interval_mean_max")
+
+
+def test_p99_is_none_without_requests_even_if_the_summary_has_a_value():
+    w = window_of((0.0, C(p99_us=33_000)), (70.0, C(p99_us=33_000)))
+    obs = w.observe(now=70.0, window_s=80.0, instance_count=1)
+    assert (obs.p99_ms, obs.p99_source) == (None, "none")
 
 
 def test_p99_falls_back_to_worst_interval_mean():
@@ -570,4 +583,4 @@ def test_live_server_counters_rise_after_inferences(live_server):
 
     obs = window.observe(now=time.monotonic(), window_s=60.0, instance_count=1)
     assert obs.valid and obs.completion_rps > 0 and obs.avg_batch_size == pytest.approx(2.0)
-    assert obs.p99_source == "summary" and obs.compute_ms_per_request > 0
+    assert obs.p99_source == "interval_mean_max" and obs.p99_ms > 0 and obs.compute_ms_per_request > 0  # a short window: not the 60-s summary

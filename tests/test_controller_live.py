@@ -1,0 +1,121 @@
+"""The whole loop against a real tritonserver, on the SIMULATED accelerator model (sim_accel):
+each execution waits on a simulated device (see model_repository/sim_accel/1/model.py), so more
+instances help the way they do on a GPU that idles between executions."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from conftest import start_server
+from controller.actuation import Actuator, TritonControl
+from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.loop import Controller
+from controller.types import Settings
+
+MODEL = "sim_accel"
+
+
+@pytest.fixture(scope="module")
+def sim_server():
+    s = start_server([MODEL])
+    yield s
+    s.stop()
+
+
+def _config(server, log_path, dry_run=False) -> ControllerConfig:
+    return ControllerConfig(
+        server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, dry_run=dry_run,
+                        decision_log=str(log_path), gpu="simulated"),
+        models={MODEL: ModelLimits(p99_target_ms=15.0, max_instances=4, scale_up_cooldown_s=1.0,
+                                   scale_down_delay_s=4.0, delay_cooldown_s=600.0, max_delay_us=0)},
+    )
+
+
+def _load(server, rate_rps: float, seconds: float, results: list):
+    trace = load_trace({"phases": [{"name": "busy", "duration_s": seconds, "rate_rps": rate_rps}]})
+    schedule = poisson_schedule(trace, seed=7, max_requests=int(rate_rps * seconds * 2))
+    cfg = TritonControl(server.grpc_url, server.http_url).config(MODEL)
+    results.extend(run_open_loop_sync(server.grpc_url, MODEL, schedule, inputs_from_config(cfg), timeout_s=10.0))
+
+
+def _run_controller(cfg: ControllerConfig, stop: threading.Event) -> tuple[Controller, threading.Thread, list]:
+    controller = Controller(cfg)
+    counts: list[tuple[float, int]] = []
+
+    def run():
+        controller.run(stop)
+
+    def watch():
+        while not stop.wait(0.25):
+            mm = controller.models.get(MODEL)
+            if mm and mm.current:
+                counts.append((time.monotonic(), mm.current.instance_count))
+
+    threads = [threading.Thread(target=run), threading.Thread(target=watch)]
+    for t in threads:
+        t.start()
+    return controller, threads, counts
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_instances_rise_under_load_and_fall_after_with_no_failed_request(sim_server, tmp_path):
+    log_path = tmp_path / "decisions.jsonl"
+    act = Actuator(TritonControl(sim_server.grpc_url, sim_server.http_url))
+    assert act.apply(MODEL, Settings(1, 0)).ok
+    stop = threading.Event()
+    controller, threads, counts = _run_controller(_config(sim_server, log_path), stop)
+    try:
+        results: list = []
+        _load(sim_server, rate_rps=220, seconds=25, results=results)
+        peak = max(c for _, c in counts)
+        # After the load stops: low load must last scale_down_delay_s before each removal.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and controller.models[MODEL].current.instance_count > 1:
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        controller.close()
+    failed = [r for r in results if not r.ok]
+    assert results and not failed, failed[:3]
+    assert peak >= 2, counts
+    assert controller.models[MODEL].current.instance_count == 1
+    assert act.read(MODEL)[1] == Settings(1, 0)
+    applied = [r for r in _records(log_path) if r["action"] == "applied"]
+    ups = [r for r in applied if r["reason"].startswith("ScaleUp")]
+    downs = [r for r in applied if r["reason"] == "ScaleDownIdle"]
+    assert ups and downs, [(r["reason"], r["target"]) for r in applied]
+    assert all(r["obs"].get("valid", True) for r in ups)
+    assert ups[0]["t"] < downs[0]["t"]
+    assert all(r["kind"] == "in_place" for r in applied)    # max_delay_us=0: only instance changes
+
+
+def test_dry_run_decides_but_changes_nothing(sim_server, tmp_path):
+    log_path = tmp_path / "dry.jsonl"
+    act = Actuator(TritonControl(sim_server.grpc_url, sim_server.http_url))
+    assert act.apply(MODEL, Settings(1, 0)).ok
+    stop = threading.Event()
+    controller, threads, counts = _run_controller(_config(sim_server, log_path, dry_run=True), stop)
+    try:
+        results: list = []
+        _load(sim_server, rate_rps=220, seconds=12, results=results)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        controller.close()
+    records = _records(log_path)
+    assert any(r["action"] == "dry_run" and r["reason"].startswith("ScaleUp") for r in records), \
+        [(r["action"], r["reason"]) for r in records]
+    assert not any(r["action"] in ("applied", "failed") for r in records)
+    assert {c for _, c in counts} == {1}
+    assert act.read(MODEL)[1] == Settings(1, 0)
