@@ -6,7 +6,9 @@ One `Controller` manages the models named in its config (or every READY model). 
 2. per model: read the live config (a server restart or someone else's change is adopted, and
    the policy then holds one full window), add the sample to the model's window and build an
    observation over the data since the last change settled;
-3. `policy.decide`; log the decision (JSONL, only changes and reason transitions) and count it;
+3. `policy.decide` per model, then `arbiter.arbitrate` across models that share the device: a model
+   held by the memory budget may take an instance from an idle or lower-priority one; log the
+   decision (JSONL, only changes and reason transitions) and count it;
 4. if it is a change and not `dry_run`: apply through the actuator, one action at a time, and
    record it in the policy's history only if it succeeded; a failure backs off.
 
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import policy
+from .arbiter import ModelView, arbitrate
 from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
 from .config import ControllerConfig, ModelLimits
 from .gpu import GpuSource, GpuUnavailable, NullSource, open_gpu_source
@@ -168,8 +171,13 @@ class Controller:
                 return
         scraped = self.scraper.metrics()
         devices = self._devices(scraped)
+        decided = {}
         for mm in self.models.values():
-            self._tick_model(mm, scraped, devices, now)
+            d = self._decide_model(mm, scraped, devices, now)
+            if d is not None:
+                decided[mm.name] = d
+        for name, (decision, obs) in self._arbitrate(decided).items():
+            self._act(self.models[name], decision, obs, now)
 
     def _devices(self, scraped: dict[str, ModelCounters] | None) -> tuple[GpuObservation, ...]:
         """NVML's devices; without NVML ("auto") or when asked, the SIMULATED device if a model reports one."""
@@ -187,12 +195,13 @@ class Controller:
             return True
         return counters is not None and SIM_MEMORY_METRIC in counters.custom
 
-    def _tick_model(self, mm: ManagedModel, scraped, devices, now: float) -> None:
+    def _decide_model(self, mm: ManagedModel, scraped, devices, now: float) -> tuple[Decision, Observation] | None:
+        """Observe and decide for one model; None when its live config cannot be read (logged)."""
         counters = None if scraped is None else scraped.get(mm.name)
         mm.window.add(now, counters)
         if not self._refresh_live(mm, now):
             self._record(mm, _invalid_decision(mm), Observation(valid=False, invalid_reason="server_unreachable"), now, "hold")
-            return
+            return None
         loop = self.config.loop
         fresh_from = mm.state.last_change_at + loop.settle_s
         span = min(loop.window_s, max(0.0, now - fresh_from))
@@ -201,11 +210,24 @@ class Controller:
             obs = dataclasses.replace(obs, gpus=devices)
         mm.last_obs = obs
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, loop, now, mm.max_batch_size)
+        return decision, obs
+
+    def _arbitrate(self, decided: dict[str, tuple[Decision, Observation]]) -> dict[str, tuple[Decision, Observation]]:
+        """Let a model held by the shared memory budget take an instance from an idle or lower-priority one."""
+        if len(decided) < 2:
+            return decided
+        views = [ModelView(name, self.models[name].current, d, o, self.models[name].limits,
+                           self.models[name].state.instance_memory_bytes) for name, (d, o) in decided.items()]
+        for name, override in arbitrate(views).items():
+            decided[name] = (override, decided[name][1])
+        return decided
+
+    def _act(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> None:
         mm.last_decision = decision
         if not decision.valid or decision.target == mm.current:
             self._record(mm, decision, obs, now, "hold")
             return
-        if loop.dry_run:
+        if self.config.loop.dry_run:
             self._record(mm, decision, obs, now, "dry_run")
             # Pretend it settled so the dry-run log shows a realistic cadence, not a change every tick.
             mm.state = dataclasses.replace(mm.state, last_change_at=now)

@@ -1,0 +1,98 @@
+"""Arbitration between models that share one device and one memory budget (pure, like policy.py).
+
+Each model first gets its own decision from `policy.decide`. A model that wants another instance
+but is held by the memory budget (`HoldMemoryCap`) is *hot*. The arbiter then looks for a *donor*
+on the same device and, if it finds one, overrides the donor's decision with "give back one
+instance" — one move per tick, so the budget is never exceeded: the donor's instance is gone
+before the hot model's next tick sees the freed memory and adds its own (in place, so no double
+memory; a full reload is only allowed by `policy.full_reload_fits`, which counts old + new).
+
+Who donates, in order:
+1. an idle model (not pressured; one instance fewer keeps it under LOW_BUSY_AFTER), lowest priority
+   first: `RebalanceToHotModel`;
+2. failing that, a model of *lower priority* than the hot one even if it is busy: its SLA is given up
+   for the higher-priority model's, and the reason says so: `RebalanceToHigherPriority`.
+A model never goes below its `min_instances`, and equal priorities never take from a busy model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .config import ModelLimits
+from .policy import LOW_BUSY_AFTER, pressured
+from .types import Decision, Observation, Settings
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """What the arbiter needs of one model this tick."""
+
+    name: str
+    current: Settings
+    decision: Decision
+    obs: Observation
+    limits: ModelLimits
+    instance_memory_bytes: float | None = None
+
+
+def _pressure(v: ModelView) -> float:
+    """How far p99 is into its target (1.0 = at the target); 0 without a figure."""
+    if not v.obs.valid or v.obs.p99_ms is None:
+        return 0.0
+    return v.obs.p99_ms / v.limits.p99_target_ms
+
+
+def _idle_enough(v: ModelView) -> bool:
+    """One instance fewer would still leave this model comfortable (see policy.is_low, without p99)."""
+    n = v.current.instance_count
+    if not v.obs.valid or n <= v.limits.min_instances or pressured(v.obs, v.limits):
+        return False
+    return v.obs.busy_fraction * n / (n - 1) <= LOW_BUSY_AFTER and v.obs.pending_mean < 1.0
+
+
+def _can_give(v: ModelView) -> bool:
+    return v.current.instance_count > v.limits.min_instances and v.decision.target == v.current
+
+
+def arbitrate(views: list[ModelView]) -> dict[str, Decision]:
+    """Overrides for this tick's decisions: {model: decision}. Empty when nobody is blocked by memory."""
+    hot = [v for v in views if v.decision.valid and v.decision.reason == "HoldMemoryCap"]
+    if not hot:
+        return {}
+    # The most important blocked model first; among equals, the one deepest into its target.
+    hot.sort(key=lambda v: (-v.limits.priority, -_pressure(v)))
+    busy_elsewhere = any(v.decision.target != v.current for v in views)
+    if busy_elsewhere:
+        return {}   # why: one move at a time on a shared device; let the change in flight land first
+    for h in hot:
+        donors = [v for v in views if v.name != h.name and _can_give(v)]
+        idle = sorted((v for v in donors if _idle_enough(v)),
+                      key=lambda v: (v.limits.priority, v.obs.busy_fraction))
+        if idle:
+            d = idle[0]
+            return {d.name: _give(d, h, "RebalanceToHotModel",
+                                  f"idle ({d.obs.busy_fraction:.0%} busy); frees {_mib(d)} for {h.name} "
+                                  f"(p99 {_ms(h.obs.p99_ms)} of {h.limits.p99_target_ms:g} ms)")}
+        lower = sorted((v for v in donors if v.limits.priority < h.limits.priority),
+                       key=lambda v: (v.limits.priority, _pressure(v)))
+        if lower:
+            d = lower[0]
+            return {d.name: _give(d, h, "RebalanceToHigherPriority",
+                                  f"the budget cannot meet every target: {d.name} (priority {d.limits.priority}) "
+                                  f"gives up its {d.limits.p99_target_ms:g} ms target for {h.name} "
+                                  f"(priority {h.limits.priority}, p99 {_ms(h.obs.p99_ms)} of {h.limits.p99_target_ms:g} ms)")}
+    return {}
+
+
+def _give(donor: ModelView, hot: ModelView, reason: str, detail: str) -> Decision:
+    target = dataclasses.replace(donor.current, instance_count=donor.current.instance_count - 1)
+    return Decision(target=target, reason=reason, detail=detail)
+
+
+def _mib(v: ModelView) -> str:
+    return "one instance" if v.instance_memory_bytes is None else f"{v.instance_memory_bytes / 2**20:.0f} MiB"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"

@@ -1,0 +1,131 @@
+"""Arbitration between models sharing one device and memory budget: table cases and a fake-clock scenario."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from controller import policy
+from controller.arbiter import ModelView, arbitrate
+from controller.config import LoopConfig, ModelLimits
+from controller.types import Decision, GpuObservation, Observation, Settings
+
+MiB = 2**20
+
+
+def S(n: int) -> Settings:
+    return Settings(n, 0)
+
+
+def obs(busy=0.5, p99=30.0, queue=0.1, pending=0.2, arrival=100.0) -> Observation:
+    return Observation(valid=True, span_s=10, since=0, arrival_rps=arrival, completion_rps=arrival,
+                       busy_fraction=busy, p99_ms=p99, queue_ms_per_request=queue, compute_ms_per_request=5.0,
+                       pending_mean=pending)
+
+
+HOT = obs(busy=0.95, p99=90.0, queue=8.0, pending=5.0, arrival=400.0)
+IDLE = obs(busy=0.1, p99=5.0, arrival=10.0)
+BUSY = obs(busy=0.9, p99=85.0, queue=6.0, pending=3.0, arrival=300.0)
+
+
+def view(name, n, o, reason="HoldSteady", priority=0, min_instances=1, target=None) -> ModelView:
+    lim = ModelLimits(p99_target_ms=100.0, priority=priority, min_instances=min_instances)
+    return ModelView(name, S(n), Decision(target or S(n), reason), o, lim, 64 * MiB)
+
+
+@pytest.mark.parametrize("views,expected", [
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap"), view("b", 3, IDLE)],
+                 {"b": ("RebalanceToHotModel", 2)}, id="idle-model-gives-to-hot"),
+    pytest.param([view("a", 2, HOT, "HoldSteady"), view("b", 3, IDLE)],
+                 {}, id="nobody-blocked-by-memory-no-move"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap"), view("b", 1, IDLE)],
+                 {}, id="donor-at-min-instances-keeps-it"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap"), view("b", 3, BUSY)],
+                 {}, id="equal-priority-busy-donor-keeps-its-sla"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap", priority=5), view("b", 3, BUSY, priority=1)],
+                 {"b": ("RebalanceToHigherPriority", 2)}, id="lower-priority-busy-donor-gives-up-its-sla"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap", priority=1), view("b", 3, BUSY, priority=5)],
+                 {}, id="higher-priority-busy-model-is-not-a-donor"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap"), view("b", 3, IDLE, priority=3), view("c", 3, IDLE, priority=0)],
+                 {"c": ("RebalanceToHotModel", 2)}, id="lowest-priority-idle-donor-first"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap"), view("b", 3, IDLE, target=S(2), reason="ScaleDownIdle")],
+                 {}, id="one-move-at-a-time"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap", priority=0), view("b", 2, HOT, "HoldMemoryCap", priority=9),
+                  view("c", 3, IDLE)],
+                 {"c": ("RebalanceToHotModel", 2)}, id="two-hot-one-idle-donor"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap", priority=0), view("b", 3, HOT, "HoldMemoryCap", priority=9)],
+                 {"a": ("RebalanceToHigherPriority", 1)}, id="higher-priority-hot-model-takes-from-lower-hot"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap"), view("b", 3, Observation(valid=False))],
+                 {}, id="donor-without-data-is-not-idle"),
+])
+def test_arbitrate(views, expected):
+    got = {name: (d.reason, d.target.instance_count) for name, d in arbitrate(views).items()}
+    assert got == expected
+
+
+def test_priority_move_says_which_sla_is_given_up():
+    d = arbitrate([view("gold", 2, HOT, "HoldMemoryCap", priority=5), view("bronze", 3, BUSY, priority=1)])["bronze"]
+    assert "bronze (priority 1) gives up its 100 ms target for gold (priority 5" in d.detail
+
+
+# ---- scenario: two models, one budget, alternating peaks, on a fake clock -------------------------
+
+PER_INSTANCE = 100 * MiB
+BUDGET_MB = 600           # 6 instances in all
+LOOP = LoopConfig(window_s=6.0, settle_s=2.0, min_span_s=4.0)
+LIMITS = ModelLimits(p99_target_ms=50.0, max_instances=6, memory_budget_mb=BUDGET_MB, scale_up_cooldown_s=2.0,
+                     scale_down_delay_s=60.0, max_delay_us=0)
+
+
+def plant_obs(n: int, load: float, used: int, since: float) -> Observation:
+    """Capacity 100 req/s per instance; p99 grows as load nears capacity."""
+    cap = 100.0 * n
+    rho = min(load / cap, 0.99)
+    p99 = 10.0 / (1 - rho)
+    busy = rho
+    gpus = (GpuObservation(0, None, used, 16 * 1024 * MiB),)
+    return Observation(valid=True, span_s=6.0, since=since, arrival_rps=load, completion_rps=min(load, cap),
+                       busy_fraction=busy, p99_ms=p99, queue_ms_per_request=p99 / 4 if rho > 0.7 else 0.1,
+                       compute_ms_per_request=5.0, pending_mean=5.0 if rho > 0.8 else 0.1, gpus=gpus)
+
+
+def run_two(loads, seconds, start, states=None, t0=0.0):
+    """Walk both models with a 2 s tick; apply each tick's (arbitrated) decisions at once."""
+    names = ["a", "b"]
+    counts = dict(start)
+    states = states or {m: policy.initial_state(t0 - 100) for m in names}
+    limits = {m: LIMITS for m in names}
+    history = []
+    t = t0
+    while t < t0 + seconds:
+        used = sum(counts.values()) * PER_INSTANCE
+        decided = {}
+        for m in names:
+            o = plant_obs(counts[m], loads[m], used, since=min(t - 6.0, max(states[m].last_change_at + 2.0, t - 6.0)))
+            d, states[m] = policy.decide(o, S(counts[m]), states[m], limits[m], LOOP, t)
+            decided[m] = (d, o)
+        views = [ModelView(m, S(counts[m]), d, o, limits[m], states[m].instance_memory_bytes) for m, (d, o) in decided.items()]
+        for m, d in arbitrate(views).items():
+            decided[m] = (d, decided[m][1])
+        for m, (d, o) in decided.items():
+            if d.valid and d.target != S(counts[m]):
+                states[m] = policy.record_applied(states[m], d, S(counts[m]), o, t)
+                counts[m] = d.target.instance_count
+                history.append((t, m, d.reason, counts[m]))
+        assert sum(counts.values()) * PER_INSTANCE <= BUDGET_MB * MiB, (t, counts)
+        t += 2.0
+    return counts, states, history
+
+
+def test_instances_follow_the_traffic_within_the_budget():
+    # Phase 1: a is hot, b quiet.
+    counts, states, h1 = run_two({"a": 450.0, "b": 20.0}, 120, {"a": 1, "b": 1})
+    assert counts["a"] >= 4 and counts["b"] == 1
+    # Phase 2: the peaks swap. a keeps its instances (it is slow to scale down) until b, blocked by the
+    # budget, takes them: RebalanceToHotModel moves instances from a to b, one at a time.
+    counts, states, h2 = run_two({"a": 20.0, "b": 450.0}, 120, counts, states, t0=120.0)
+    reasons = [r for _, _, r, _ in h2]
+    assert "RebalanceToHotModel" in reasons
+    assert counts["b"] >= 4 and counts["a"] <= 2
+    moves = [(m, r) for _, m, r, _ in h2 if r == "RebalanceToHotModel"]
+    assert all(m == "a" for m, _ in moves)
