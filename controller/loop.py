@@ -209,6 +209,10 @@ class Controller:
         if obs.valid and devices and self._on_device(counters):
             obs = dataclasses.replace(obs, gpus=devices)
         mm.last_obs = obs
+        if mm.state.instance_memory_bytes is None and counters is not None and counters.custom.get(SIM_MEMORY_METRIC):
+            # The simulated device says what each instance holds; a real GPU's is learned from step deltas.
+            per = counters.custom[SIM_MEMORY_METRIC] / max(1, mm.current.instance_count)
+            mm.state = dataclasses.replace(mm.state, instance_memory_bytes=per)
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, loop, now, mm.max_batch_size)
         return decision, obs
 

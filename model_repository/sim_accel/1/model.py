@@ -74,6 +74,12 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.instance_name = args["model_instance_name"]
         total = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        # why: an in-place instance update hands a new instance the config of the first load (the old count),
+        # so the instance's own index (<model>_<group>_<index>) is what tells how many instances now exist
+        try:
+            total = max(total, int(self.instance_name.rsplit("_", 1)[1]) + 1)
+        except (IndexError, ValueError):
+            pass
         oom_above = int(_param(config, "oom_above_instances", "0"))
         if oom_above and total > oom_above:
             raise pb_utils.TritonModelException(
@@ -131,5 +137,7 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
+        # The server keeps a removed instance's metric series: report its memory as released.
+        self.m_mem.set(0)
         self.device.close()
         self.buffer = None
