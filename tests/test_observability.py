@@ -1,0 +1,71 @@
+"""What an operator reads: `status`, the decision log and the controller's own metrics endpoint."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import yaml
+
+from conftest import ROOT
+from controller.config import ControllerConfig, LoopConfig, ServerConfig
+from controller.loop import Controller
+from controller.server import free_port
+from controller.telemetry import ControllerMetrics
+from controller.types import Settings
+
+
+def _config_file(tmp_path, server, log_path) -> str:
+    path = tmp_path / "ctl.yaml"
+    path.write_text(yaml.safe_dump({
+        "server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
+        "controller": {"decision_log": str(log_path)},
+        "models": ["resnet_tiny", "sim_accel"],
+    }))
+    return str(path)
+
+
+def test_status_prints_live_config_and_recent_decisions(server, tmp_path):
+    log_path = tmp_path / "decisions.jsonl"
+    records = [{"time": 1_700_000_000 + i, "t": i, "model": "sim_accel", "action": "applied", "reason": f"Reason{i}",
+                "detail": f"detail {i}", "target": {"instances": 1 + i, "delay_us": 0}} for i in range(7)]
+    log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = subprocess.run([sys.executable, "-m", "controller", "status", "--config", _config_file(tmp_path, server, log_path),
+                        "--last", "3"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "resnet_tiny: READY, 1 instance(s), max_queue_delay_us 0" in lines
+    assert "sim_accel: READY, 1 instance(s), max_queue_delay_us 0" in lines
+    shown = [ln for ln in lines if "Reason" in ln]
+    assert [ln.split()[2] for ln in shown] == ["Reason4", "Reason5", "Reason6"]   # the last 3, in order
+    assert "-> 7 inst" in shown[-1]
+
+
+def test_status_with_no_server_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"server": {"grpc_url": f"127.0.0.1:{free_port()}", "timeout_s": 2}}))
+    r = subprocess.run([sys.executable, "-m", "controller", "status", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: cannot reach the server") and "Traceback" not in r.stderr
+
+
+def test_controller_metrics_endpoint_reports_settings_and_decisions(server):
+    port = free_port()
+    metrics = ControllerMetrics()
+    metrics.serve(port)
+    cfg = ControllerConfig(server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url,
+                                               metrics_url=server.metrics_url),
+                           loop=LoopConfig(interval_s=0.2, window_s=2.0, min_span_s=1.0), models={})
+    controller = Controller(cfg, metrics=metrics)
+    try:
+        controller.run(max_ticks=3)
+    finally:
+        controller.close()
+    assert set(controller.models) == {"resnet_tiny", "sim_accel"}     # no models configured: every READY one
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert 'controller_instance_count{model="sim_accel"} 1.0' in text
+    assert 'controller_max_queue_delay_us{model="resnet_tiny"} 0.0' in text
+    assert 'controller_decisions_total{model="sim_accel",reason="HoldNoData"} 3.0' in text   # too little data in 3 ticks
+    assert controller.models["sim_accel"].current == Settings(1, 0)
