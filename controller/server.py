@@ -34,6 +34,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = PACKAGE_ROOT / "model_repository"
 
 
+# Logged by every server without a GPU; never the reason something failed.
+HARMLESS_LOG_LINES = ("NVML", "DCGM", "CudaDriverHelper", "CUDA driver", "GPU metrics", "pinned memory")
+
+
 class ServerError(RuntimeError):
     """A problem starting or talking to the server, with a one-line message for the user."""
 
@@ -293,7 +297,8 @@ class TritonServer:
     def log_tail(self, lines: int = 5) -> str:
         if not self.log_path or not self.log_path.exists():
             return "(no log)"
-        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        text = [ln for ln in self.log_path.read_text(errors="replace").splitlines()
+                if ln.strip() and not any(h in ln for h in HARMLESS_LOG_LINES)]
         errors = [ln for ln in text if ln[:1] in "EW" or "error" in ln.lower()]
         return " | ".join((errors or text)[-lines:])
 
