@@ -71,6 +71,7 @@ class LoopConfig:
     simulated_device_memory_mb: float = 2048.0   # device size when gpu: simulated
     reload_timeout_s: float = 120.0
     failure_backoff_s: float = 30.0     # first wait after a failed reload; doubles each time
+    warm_start: str | None = None       # a `sweep.json`: its cells seed the model's memory of what works
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,25 @@ def simulated_devices(scraped: dict[str, ModelCounters] | None, total_mb: float)
                            memory_total_bytes=int(total_mb * 2**20)),)
 
 
+def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) -> tuple[policy.PerfPoint, ...]:
+    """A sweep's cells for `model` as the policy's perf memory, judged against this model's own target.
+    A missing or unreadable file is a one-line warning, not a crash: the controller then learns online."""
+    import json as _json
+    try:
+        doc = _json.loads(Path(path).read_text())
+        cells = doc["cells"] if doc.get("model", model) == model else []
+        points = tuple(
+            policy.PerfPoint(now, int(c["instance_count"]), int(c["max_queue_delay_us"]), float(c["offered_rps"]),
+                             float(c["completion_rps"]), c.get("p99_ms"),
+                             c.get("p99_ms") is not None and c["p99_ms"] <= limits.p99_target_ms
+                             and c.get("failed", 0) == 0 and float(c["completion_rps"]) >= 0.95 * float(c["offered_rps"]))
+            for c in cells)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("warm start: cannot use %s (%s); learning online instead", path, _short(e))
+        return ()
+    return points[-policy.PERF_MEMORY:]
+
+
 def summarize_obs(obs: Observation) -> dict:
     if not obs.valid:
         return {"valid": False, "why": obs.invalid_reason}
@@ -134,6 +153,10 @@ class Controller:
         limits = self.config.limits_for(name)
         mm = ManagedModel(name, limits, ModelWindow(max_age_s=max(600.0, 3 * self.config.loop.window_s)),
                           policy.initial_state(now))
+        if self.config.loop.warm_start:
+            mm.state = dataclasses.replace(mm.state, perf=warm_start_points(self.config.loop.warm_start, name, limits, now))
+            if mm.state.perf:
+                log.info("%s: warm start from %s (%d measured points)", name, self.config.loop.warm_start, len(mm.state.perf))
         self.models[name] = mm
         return mm
 

@@ -69,3 +69,20 @@ def test_controller_metrics_endpoint_reports_settings_and_decisions(server):
     assert 'controller_max_queue_delay_us{model="resnet_tiny"} 0.0' in text
     assert 'controller_decisions_total{model="sim_accel",reason="HoldNoData"} 3.0' in text   # too little data in 3 ticks
     assert controller.models["sim_accel"].current == Settings(1, 0)
+
+
+def test_warm_start_reads_a_sweep_and_judges_it_against_the_model_target(tmp_path):
+    from controller.config import ModelLimits
+    from controller.loop import warm_start_points
+    sweep = tmp_path / "sweep.json"
+    cells = [
+        {"instance_count": 1, "max_queue_delay_us": 0, "offered_rps": 300.0, "completion_rps": 300.0, "p99_ms": 46.0, "failed": 0},
+        {"instance_count": 2, "max_queue_delay_us": 0, "offered_rps": 300.0, "completion_rps": 299.0, "p99_ms": 28.0, "failed": 0},
+        {"instance_count": 2, "max_queue_delay_us": 0, "offered_rps": 390.0, "completion_rps": 300.0, "p99_ms": 30.0, "failed": 0},
+    ]
+    sweep.write_text(json.dumps({"model": "sim_accel", "cells": cells}))
+    points = warm_start_points(str(sweep), "sim_accel", ModelLimits(p99_target_ms=40.0), now=5.0)
+    assert [(p.instance_count, p.arrival_rps, p.met_target) for p in points] == [
+        (1, 300.0, False), (2, 300.0, True), (2, 390.0, False)]   # the last one fell behind its load
+    assert warm_start_points(str(sweep), "other_model", ModelLimits(), now=5.0) == ()
+    assert warm_start_points(str(tmp_path / "missing.json"), "sim_accel", ModelLimits(), now=5.0) == ()
