@@ -30,13 +30,16 @@ from .arbiter import ModelView, arbitrate
 from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
 from .config import ControllerConfig, ModelLimits
 from .gpu import GpuSource, GpuUnavailable, NullSource, open_gpu_source
-from .signals import ModelCounters, ModelWindow, Scraper
+from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, Scraper
 from .telemetry import ControllerMetrics
 from .types import Decision, GpuObservation, Observation, Settings
 
 log = logging.getLogger("controller.loop")
 
 SIM_MEMORY_METRIC = "sim_device_memory_bytes"
+DEFAULT_TAIL_RATIO = 2.0        # p99 / mean latency until the server's summaries have measured it
+TAIL_RATIO_BOUNDS = (1.0, 5.0)
+MIN_REQUESTS_FOR_TAIL = 200     # a p99 of fewer requests says little
 
 
 @dataclass
@@ -52,6 +55,8 @@ class ManagedModel:
     last_obs: Observation | None = None
     reachable: bool = True
     history: list[dict] = field(default_factory=list)   # recent decision records, newest last
+    tail_ratio: float = DEFAULT_TAIL_RATIO              # p99 / mean latency, from the server's own summaries
+    tail_ratio_measured: bool = False
 
 
 class DecisionLog:
@@ -99,6 +104,14 @@ def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) ->
     return points[-policy.PERF_MEMORY:]
 
 
+def estimate_p99(obs: Observation, tail_ratio: float) -> Observation:
+    """A fresh p99 estimate for a short window: the larger of the worst interval mean and
+    mean latency x tail ratio. Example: mean 20 ms, tail ratio 1.8, worst 1-s mean 24 ms -> 36 ms."""
+    if not obs.valid or obs.p99_source != "interval_mean_max" or obs.p99_ms is None:
+        return obs
+    return dataclasses.replace(obs, p99_ms=max(obs.p99_ms, obs.request_ms_mean * tail_ratio), p99_source="mean_x_tail_ratio")
+
+
 def summarize_obs(obs: Observation) -> dict:
     if not obs.valid:
         return {"valid": False, "why": obs.invalid_reason}
@@ -106,7 +119,7 @@ def summarize_obs(obs: Observation) -> dict:
     out = {"span_s": r(obs.span_s, 1), "arrival_rps": r(obs.arrival_rps, 1), "completion_rps": r(obs.completion_rps, 1),
            "failure_rps": r(obs.failure_rps), "pending_mean": r(obs.pending_mean), "queue_ms": r(obs.queue_ms_per_request),
            "compute_ms": r(obs.compute_ms_per_request), "p99_ms": r(obs.p99_ms), "p99_source": obs.p99_source,
-           "busy": r(obs.busy_fraction, 3), "avg_batch": r(obs.avg_batch_size)}
+           "busy": r(obs.busy_fraction, 3), "avg_batch": r(obs.avg_batch_size), "mean_ms": r(obs.request_ms_mean)}
     if obs.gpus:
         out["mem_used_mb"] = r(sum(g.memory_used_bytes or 0 for g in obs.gpus) / 2**20, 1)
     return out
@@ -131,6 +144,7 @@ class Controller:
         self.models: dict[str, ManagedModel] = {}
         self._stop = threading.Event()
         self._simulating = False
+        self._gpu_failing = False
 
     # -- set-up -------------------------------------------------------------------------------
     def _open_gpu(self, mode: str) -> GpuSource:
@@ -174,8 +188,11 @@ class Controller:
             mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
         mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
         if not mm.reachable:
-            log.info("%s: server answers again; live config %s", mm.name, live)
-        if mm.current is not None and live != mm.current:
+            # why: the server may have restarted (counters reset, instances fresh): nothing learned before
+            # the gap is trusted; hold one full window like at start
+            log.info("%s: server answers again; live config %s; holding one window", mm.name, live)
+            mm.state = policy.initial_state(now)
+        elif mm.current is not None and live != mm.current:
             log.info("%s: live config changed outside the controller (%s -> %s); holding one window", mm.name, mm.current, live)
             mm.state = policy.initial_state(now)
         mm.current = live
@@ -210,7 +227,17 @@ class Controller:
             if sim:
                 self._simulating = True
                 return sim
-        return self.gpu.read() or ()
+        try:
+            devices = self.gpu.read() or ()
+        except Exception as e:  # noqa: BLE001 - GpuSource.read should not raise; if it does, no GPU signals
+            if not self._gpu_failing:
+                log.warning("GPU read failed (%s); deciding on non-GPU signals until it recovers", _short(e))
+            self._gpu_failing = True
+            return ()
+        if self._gpu_failing:
+            log.info("GPU reads recovered")
+        self._gpu_failing = False
+        return devices
 
     def _on_device(self, counters: ModelCounters | None) -> bool:
         """With the simulated device, only models that report simulated memory live on it."""
@@ -231,6 +258,8 @@ class Controller:
         obs = mm.window.observe(now, span, mm.current.instance_count)
         if obs.valid and devices and self._on_device(counters):
             obs = dataclasses.replace(obs, gpus=devices)
+        self._calibrate_tail(mm, counters, now)
+        obs = estimate_p99(obs, mm.tail_ratio)
         mm.last_obs = obs
         if mm.state.instance_memory_bytes is None and counters is not None and counters.custom.get(SIM_MEMORY_METRIC):
             # The simulated device says what each instance holds; a real GPU's is learned from step deltas.
@@ -238,6 +267,22 @@ class Controller:
             mm.state = dataclasses.replace(mm.state, instance_memory_bytes=per)
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, loop, now, mm.max_batch_size)
         return decision, obs
+
+    def _calibrate_tail(self, mm: ManagedModel, counters: ModelCounters | None, now: float) -> None:
+        """Learn p99 / mean latency from a minute without changes, when the server's summary covers it.
+
+        Triton's summaries span about the last minute, so they are only trusted once the config has
+        been stable that long. Example: summary p99 46 ms over a minute whose mean was 25 ms -> 1.84.
+        """
+        stable_since = max(mm.state.last_change_at, mm.state.started_at)
+        if counters is None or counters.p99_us is None or now - stable_since < SUMMARY_MAX_AGE_S + self.config.loop.settle_s:
+            return
+        minute = mm.window.observe(now, SUMMARY_MAX_AGE_S, mm.current.instance_count)
+        if not minute.valid or minute.request_ms_mean <= 0 or minute.completion_rps * minute.span_s < MIN_REQUESTS_FOR_TAIL:
+            return
+        ratio = min(max(counters.p99_us / 1000.0 / minute.request_ms_mean, TAIL_RATIO_BOUNDS[0]), TAIL_RATIO_BOUNDS[1])
+        mm.tail_ratio = ratio if not mm.tail_ratio_measured else 0.8 * mm.tail_ratio + 0.2 * ratio
+        mm.tail_ratio_measured = True
 
     def _arbitrate(self, decided: dict[str, tuple[Decision, Observation]]) -> dict[str, tuple[Decision, Observation]]:
         """Let a model held by the shared memory budget take an instance from an idle or lower-priority one."""

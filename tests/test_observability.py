@@ -86,3 +86,15 @@ def test_warm_start_reads_a_sweep_and_judges_it_against_the_model_target(tmp_pat
         (1, 300.0, False), (2, 300.0, True), (2, 390.0, False)]   # the last one fell behind its load
     assert warm_start_points(str(sweep), "other_model", ModelLimits(), now=5.0) == ()
     assert warm_start_points(str(tmp_path / "missing.json"), "sim_accel", ModelLimits(), now=5.0) == ()
+
+
+def test_p99_estimate_is_mean_times_tail_ratio_or_the_worst_interval():
+    from controller.loop import estimate_p99
+    from controller.types import Observation
+    base = Observation(valid=True, span_s=10, p99_ms=24.0, p99_source="interval_mean_max", request_ms_mean=20.0)
+    est = estimate_p99(base, 1.8)
+    assert (round(est.p99_ms, 6), est.p99_source) == (36.0, "mean_x_tail_ratio")
+    assert estimate_p99(base, 1.0).p99_ms == 24.0                       # the worst interval was higher
+    summary = Observation(valid=True, span_s=60, p99_ms=46.0, p99_source="summary", request_ms_mean=25.0)
+    assert estimate_p99(summary, 3.0) == summary                        # a fresh summary is used as it is
+    assert estimate_p99(Observation(valid=False), 2.0) == Observation(valid=False)
