@@ -1,0 +1,72 @@
+"""The two-model bench: scenario parsing, splits, and a tiny end-to-end run on real servers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from controller.bench_multi import MultiBenchError, _peak_total, bench_multi, is_multi_model_scenario, load_scenario, static_splits
+
+
+def test_static_splits_cover_every_split_with_one_instance_each():
+    assert static_splits(3) == [(1, 2), (2, 1)]
+    assert static_splits(4) == [(1, 3), (2, 2), (3, 1)]
+
+
+def test_peak_total_counts_instances_alive_at_once():
+    events = {"a": [(0.0, 1), (10.0, 2), (30.0, 1)], "b": [(0.0, 1), (20.0, 2)]}
+    assert _peak_total(events) == 4        # 10..30 s: a=2, and from 20 s b=2
+    assert _peak_total({"a": [(0.0, 2), (5.0, 1)], "b": [(0.0, 1), (6.0, 2)]}) == 3
+
+
+@pytest.mark.parametrize("doc,message", [
+    pytest.param("models: {a: {phases: []}}", "exactly two models", id="one-model"),
+    pytest.param("sla_ms: -1\nbudget_instances: 3\nmodels: {a: {phases: [{name: x, duration_s: 1, rate_rps: 1}]}, "
+                 "b: {phases: [{name: y, duration_s: 1, rate_rps: 1}]}}", "sla_ms must be a number in (0, 60000]", id="bad-sla"),
+    pytest.param("sla_ms: 40\nbudget_instances: 1\nmodels: {a: {phases: [{name: x, duration_s: 1, rate_rps: 1}]}, "
+                 "b: {phases: [{name: y, duration_s: 1, rate_rps: 1}]}}", "budget_instances must be an integer in [2, 16]",
+                 id="budget-too-small"),
+    pytest.param("sla_ms: 40\nbudget_instances: 3\nmodels: {a: {phases: [{name: x, duration_s: 1, rate_rps: -5}]}, "
+                 "b: {phases: [{name: y, duration_s: 1, rate_rps: 1}]}}", "models.a.phases[0].rate_rps", id="bad-rate"),
+])
+def test_bad_scenarios_say_what_is_wrong(tmp_path, doc, message):
+    path = tmp_path / "s.yaml"
+    path.write_text(doc)
+    with pytest.raises(MultiBenchError, match=None) as err:
+        load_scenario(path)
+    assert message in str(err.value)
+
+
+def test_shipped_scenario_is_a_two_model_scenario():
+    from conftest import ROOT
+    path = ROOT / "scripts" / "scenarios" / "two_models.yaml"
+    assert is_multi_model_scenario(path)
+    sc = load_scenario(path)
+    assert set(sc.models) == {"sim_a", "sim_b"} and sc.budget_instances == 3
+    assert sc.models["sim_a"].duration_s == sc.models["sim_b"].duration_s == 150
+    assert not is_multi_model_scenario(ROOT / "scripts" / "scenarios" / "shift.yaml")
+
+
+def test_tiny_two_model_bench_end_to_end(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text("""
+name: tiny
+sla_ms: 40
+budget_instances: 3
+models:
+  sim_a: {phases: [{name: a1, duration_s: 4, rate_rps: 60}, {name: a2, duration_s: 4, rate_rps: 10}]}
+  sim_b: {phases: [{name: b1, duration_s: 4, rate_rps: 10}, {name: b2, duration_s: 4, rate_rps: 60}]}
+""")
+    summary = bench_multi(scenario, tmp_path / "out")
+    on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert on_disk["ratios"] == summary["ratios"]
+    assert set(summary["arms"]) == {"static_1+2", "static_2+1", "adaptive"}
+    for arm in summary["arms"].values():
+        assert arm["failed_requests"] == 0
+        assert set(arm["models"]) == {"sim_a", "sim_b"}
+        assert arm["models"]["sim_a"]["requests"] > 100 and arm["goodput_rps"] > 0
+    assert summary["arms"]["static_1+2"]["instance_seconds"] == pytest.approx(3 * 8, rel=0.01)
+    assert summary["best_static"] in ("static_1+2", "static_2+1")
+    assert summary["targets"]["within_budget"]["met"]
+    assert summary["ratios"]["adaptive_vs_best_static_split"] > 0
+    assert (tmp_path / "out" / "timeline.png").stat().st_size > 10_000
