@@ -196,6 +196,19 @@ CASES = [
          reason="HoldLowLoadPending", target=S(4), check=lambda s: s.low_since == NOW - 29.0),
     case("scale-down-idle-after-delay", o=obs(**LOW), current=S(4), st_=state(low_since=NOW - 30.0),
          reason="ScaleDownIdle", target=S(3)),
+    # busy (65%: 2 -> 1 would be 130% by the busy rule) but 1 instance met the target at 250 req/s >= 1.1 x 200
+    case("scale-down-known-good-fewer", o=obs(arrival_rps=200.0, completion_rps=200.0, p99_ms=40.0, busy_fraction=0.65),
+         current=S(2), st_=state(low_since=NOW - 30.0, perf=(PerfPoint(900.0, 1, 0, 250.0, 250.0, 70.0, True),)),
+         reason="ScaleDownKnownGood", target=S(1)),
+    case("known-good-fewer-needs-ten-percent-margin", o=obs(arrival_rps=240.0, completion_rps=240.0, p99_ms=40.0, busy_fraction=0.65),
+         current=S(2), st_=state(low_since=NOW - 30.0, perf=(PerfPoint(900.0, 1, 0, 250.0, 250.0, 70.0, True),)),
+         reason="HoldSteady", target=S(2)),
+    case("known-good-fewer-not-near-the-target", o=obs(arrival_rps=200.0, completion_rps=200.0, p99_ms=85.0, busy_fraction=0.65),
+         current=S(2), st_=state(low_since=NOW - 30.0, perf=(PerfPoint(900.0, 1, 0, 250.0, 250.0, 70.0, True),)),
+         reason="HoldSteady", target=S(2)),
+    case("known-good-fewer-waits-scale-down-delay", o=obs(arrival_rps=200.0, completion_rps=200.0, p99_ms=40.0, busy_fraction=0.65),
+         current=S(2), st_=state(perf=(PerfPoint(900.0, 1, 0, 250.0, 250.0, 70.0, True),)),
+         reason="HoldLowLoadPending", target=S(2)),
     case("not-low-at-min-instances", o=obs(**LOW), current=S(1), st_=state(low_since=NOW - 300.0),
          reason="HoldSteady", target=S(1), check=lambda s: s.low_since is None),
     case("steady", o=obs(), current=S(2), st_=state(low_since=NOW - 10.0), reason="HoldSteady", target=S(2),
@@ -563,7 +576,7 @@ def test_decisions_stay_in_bounds_and_are_pure(args):
     if t.instance_count > current.instance_count:   # never past a learned maximum or a fresh saturation mark
         caps = [lim.max_instances] + [c for c in (s.learned_max_instances, s.saturated_at) if c is not None]
         assert t.instance_count <= max(min(caps), lim.min_instances)
-    if decision.reason == "ScaleDownIdle":
+    if decision.reason in ("ScaleDownIdle", "ScaleDownKnownGood"):
         assert t.instance_count == current.instance_count - 1
 
 
