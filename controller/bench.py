@@ -280,6 +280,7 @@ class BenchOptions:
     instances: Sequence[int] = (1, 2, 4, 6)
     delays_us: Sequence[int] = (0, 2000)
     sweep_seconds: float = 4.0
+    controller_gpu: str | None = None      # None: "simulated" for sim_accel, else "auto"
 
 
 def _proc_cpu_s(pid: int) -> float | None:
@@ -329,7 +330,8 @@ def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Pat
     import yaml
     doc = {"server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
            "controller": {"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
-                          "decision_log": str(decision_log), "gpu": "simulated"},
+                          "decision_log": str(decision_log),
+                          "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto")},
            "models": {opts.model: {"p99_target_ms": opts.sla_ms, "max_instances": opts.max_instances}}}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
@@ -403,8 +405,9 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
                 t_end = time.monotonic()
                 controller.send_signal(signal.SIGTERM)
                 try:
-                    controller.wait(timeout=30)
+                    controller.wait(timeout=5)
                 except subprocess.TimeoutExpired:
+                    # `run --duration-s` keeps a non-daemon Timer thread that outlives SIGTERM until it fires
                     controller.kill()
                     controller.wait(timeout=10)
                 decisions = _read_decisions(decision_log)
@@ -498,7 +501,8 @@ def format_summary(summary: dict) -> str:
                      f"{a['instance_seconds']:>8.0f} {a['mean_instances']:>9.2f} "
                      f"{a['reloads']:>3} ({a['full_reloads']}f)")
     lines.append("ratios: " + ", ".join(f"{k} {_f(v, '{:.3f}')}" for k, v in summary["ratios"].items()))
-    lines.append("reaction_s: " + (", ".join(f"{r['from_phase']}->{r['to_phase']} ({r['from_rps']:g}->{r['to_rps']:g}/s) "
+    measured = "adaptive" in summary["arms"] and "oracle" in summary["arms"]
+    lines.append("reaction_s: " + ("not measured (needs the adaptive and oracle arms)" if not measured else ", ".join(f"{r['from_phase']}->{r['to_phase']} ({r['from_rps']:g}->{r['to_rps']:g}/s) "
                                              f"{_f(r['reaction_s'], '{:.0f}') if r['reaction_s'] is not None else 'never'}"
                                              for r in summary["reaction_s"]) or "no step changes"))
     lines.append(f"first_good_config_s: {_f(summary['first_good_config_s'], '{:.0f}')}, "
@@ -521,17 +525,19 @@ def plot_timeline(trace: Trace, summary: dict, bins: dict[str, list[dict]], path
     t_fine = np.linspace(0, trace.duration_s, 2000, endpoint=False)
     axes[0].plot(t_fine, [trace.rate_at(t) for t in t_fine], color="black", linewidth=1, label="trace rate")
     first = next(iter(bins.values()))
-    axes[0].step([b["start_s"] for b in first], [b["offered_rps"] for b in first], where="post",
+    axes[0].step([b["start_s"] for b in first] + [first[-1]["end_s"]],
+                 [b["offered_rps"] for b in first] + [first[-1]["offered_rps"]], where="post",
                  color="tab:orange", linewidth=0.8, label="offered (per 1-s bin)")
     for p in trace.phases[1:]:
         for ax in axes:
             ax.axvline(p.start_s, color="black", alpha=0.15, linewidth=0.8)
     for name, bs in bins.items():
         c = colors.get(name)
-        xs = [b["start_s"] for b in bs]
-        axes[1].step(xs, [b["goodput_rps"] for b in bs], where="post", color=c, linewidth=1, label=name)
-        axes[2].step(xs, [b["p99_ms"] if b["p99_ms"] is not None else np.nan for b in bs], where="post", color=c,
-                     linewidth=1, label=name)
+        xs = [b["start_s"] for b in bs] + [bs[-1]["end_s"]]     # the last bin drawn to its end
+        good = [b["goodput_rps"] for b in bs]
+        p99 = [b["p99_ms"] if b["p99_ms"] is not None else np.nan for b in bs]
+        axes[1].step(xs, good + good[-1:], where="post", color=c, linewidth=1, label=name)
+        axes[2].step(xs, p99 + p99[-1:], where="post", color=c, linewidth=1, label=name)
         ev = [e for e in summary["arms"][name]["changes"] if e.get("ok", True)]
         tx = [max(0.0, e["t"]) for e in ev] + [trace.duration_s]
         axes[3].step(tx, [e["instances"] for e in ev] + [ev[-1]["instances"]], where="post", color=c, label=name)
@@ -645,7 +651,8 @@ def run_bench(args) -> int:
                         repository=args.repository, arms=args.arms or ARMS, seed=args.seed,
                         max_instances=args.max_instances, controller_interval_s=args.controller_interval_s,
                         controller_window_s=args.controller_window_s, instances=args.instances,
-                        delays_us=args.delays_us, sweep_seconds=args.sweep_seconds)
+                        delays_us=args.delays_us, sweep_seconds=args.sweep_seconds,
+                        controller_gpu=args.controller_gpu)
     summary = bench(opts)
     print(format_summary(summary))
     print(f"wrote {opts.out / 'summary.json'} and {opts.out / 'timeline.png'}")

@@ -1,6 +1,7 @@
 """`python -m controller <verb>` (also installed as `triton-autotune`).
 
-Verbs: serve (tritonserver + controller), run (controller beside a running server), status.
+Verbs: serve (tritonserver + controller), run (controller beside a running server), status,
+sweep, bench, soak (N reloads under load, counting lost requests).
 Every user error ends in one line on stderr and a non-zero exit: 2 for bad arguments or
 configuration, 1 for a server or runtime failure. Never a traceback.
 """
@@ -63,12 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="decide and log, change nothing")
     s.add_argument("--no-controller", action="store_true", help="only start the server")
     s.add_argument("--no-auth", action="store_true", help="leave the repository API open (default: guarded by a generated key)")
-    s.add_argument("--duration-s", type=float, help="stop by itself after this many seconds (tests, demos)")
+    s.add_argument("--duration-s", type=_bounded(float, 0.1, 1e7), help="stop by itself after this many seconds (tests, demos)")
 
     r = sub.add_parser("run", help="run the controller against a running server (e.g. the NGC container)")
     r.add_argument("--config", type=Path, help="controller YAML (default: loopback ports 8000/8001/8002)")
     r.add_argument("--dry-run", action="store_true", help="decide and log, change nothing")
-    r.add_argument("--duration-s", type=float, help="stop by itself after this many seconds")
+    r.add_argument("--duration-s", type=_bounded(float, 0.1, 1e7), help="stop by itself after this many seconds")
     r.add_argument("--decision-log", help="JSONL decision log (overrides the config)")
 
     st = sub.add_parser("status", help="print each managed model's live config and recent decisions")
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", type=Path, default=Path("results/sweep"), help="output folder (default results/sweep)")
 
     b = sub.add_parser("bench", help="replay a traffic scenario against default, best_static, oracle and adaptive arms")
-    b.add_argument("--scenario", type=Path, required=True, help="trace YAML (phases or day_curve)")
+    b.add_argument("--scenario", type=Path, required=True,
+                   help="trace YAML (phases or day_curve), or a two-model scenario (models: with a trace each)")
     b.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder (default results/bench)")
     b.add_argument("--sweep", type=Path, help="sweep.json to choose best_static and oracle from (default: run one first)")
     b.add_argument("--sla-ms", type=_bounded(float, 0.1, 600_000.0), default=40.0, help="p99 objective in ms (default 40)")
@@ -101,9 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-instances", type=_bounded(int, 1, 64), default=8, help="the controller's max_instances (default 8)")
     b.add_argument("--controller-interval-s", type=_bounded(float, 0.1, 60.0), default=1.0, help="controller tick (default 1)")
     b.add_argument("--controller-window-s", type=_bounded(float, 1.0, 600.0), default=10.0, help="controller window (default 10)")
+    b.add_argument("--controller-gpu", choices=("auto", "nvml", "simulated", "none"),
+                   help="the controller's gpu source (default: simulated for sim_accel, else auto)")
     b.add_argument("--instances", type=_bounded_list(int, 1, 64), default=[1, 2, 4, 6], help="sweep instance counts when no --sweep (default 1,2,4,6)")
     b.add_argument("--delays-us", type=_bounded_list(int, 0, 1_000_000), default=[0, 2000], help="sweep delays when no --sweep (default 0,2000)")
     b.add_argument("--sweep-seconds", type=_bounded(float, 0.5, 600.0), default=4.0, help="measured seconds per sweep cell when no --sweep (default 4)")
+
+    so = sub.add_parser("soak", help="apply N reloads (alternately in place and full) under open-loop load; count lost requests")
+    so.add_argument("--reloads", type=_bounded(int, 1, 100_000), required=True, help="reloads to apply")
+    so.add_argument("--out", type=Path, required=True, help="output folder for soak.json")
+    so.add_argument("--rate-rps", type=_bounded(float, 0.1, 400.0), default=50.0, help="offered load in req/s (default 50)")
+    so.add_argument("--model", default="sim_accel", help="model to reload (default sim_accel, the SIMULATED accelerator)")
+    so.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository for the own server")
+    so.add_argument("--url", help="HTTP host:port of a running server (loopback only; default: start one)")
+    so.add_argument("--grpc-url", help="with --url: gRPC host:port (default: the HTTP port + 1)")
+    so.add_argument("--metrics-url", help="with --url: metrics URL (default: http://host:<HTTP port + 2>/metrics)")
+    so.add_argument("--auth-header", help="with --url: repository-API header; its value from $TRITON_ADMIN_KEY")
+    so.add_argument("--gap-s", type=_bounded(float, 0.0, 60.0), default=0.5, help="pause between reloads (default 0.5)")
+    so.add_argument("--seed", type=_bounded(int, 0, 2**31 - 1), default=0, help="Poisson schedule seed (default 0)")
     return p
 
 
@@ -175,6 +192,13 @@ def _run_controller(cfg: ControllerConfig, stop: threading.Event) -> None:
         controller.close()
 
 
+def _stop_after(seconds: float, stop: threading.Event) -> None:
+    """Set `stop` after `seconds`; a daemon timer, so a stop by signal does not wait for it to expire."""
+    timer = threading.Timer(seconds, stop.set)
+    timer.daemon = True
+    timer.start()
+
+
 def _wait_for_server(server: ServerConfig, stop: threading.Event, headers: dict) -> bool:
     """Wait, with backoff, until the server is live. False if stopped first."""
     from .actuation import TritonControl
@@ -225,7 +249,7 @@ def cmd_serve(args) -> int:
                   f"(or set {cfg.server.auth_key_env} before starting to choose it; --no-auth to disable)", flush=True)
         print(f"server log: {server.log_path}", flush=True)
         if args.duration_s:
-            threading.Timer(args.duration_s, stop.set).start()
+            _stop_after(args.duration_s, stop)
         if args.no_controller:
             while not stop.wait(0.5):
                 if server.process.poll() is not None:
@@ -239,11 +263,27 @@ def cmd_serve(args) -> int:
             cfg = cfg.with_models(models or _loaded_models(server))
         print(f"controller managing {', '.join(cfg.models)} (p99 targets: "
               f"{', '.join(f'{m} {lim.p99_target_ms:g} ms' for m, lim in cfg.models.items())})", flush=True)
+        died = _watch_server(server, stop)
         _run_controller(cfg, stop)
+        if died.is_set():
+            raise ServerError(f"tritonserver exited with code {server.process.returncode}: {server.log_tail()}")
         return 0
     finally:
         server.stop()
         print("stopped", flush=True)
+
+
+def _watch_server(server: TritonServer, stop: threading.Event) -> threading.Event:
+    """Stop everything if the server process exits on its own; the returned event says it did."""
+    died = threading.Event()
+
+    def watch():
+        while not stop.wait(0.5):
+            if server.process is not None and server.process.poll() is not None:
+                died.set()
+                stop.set()
+    threading.Thread(target=watch, daemon=True).start()
+    return died
 
 
 def _loaded_models(server: TritonServer) -> list[str]:
@@ -257,7 +297,7 @@ def cmd_run(args) -> int:
     stop = threading.Event()
     _install_signal_handlers(stop)
     if args.duration_s:
-        threading.Timer(args.duration_s, stop.set).start()
+        _stop_after(args.duration_s, stop)
     if not _wait_for_server(cfg.server, stop, headers):
         return 0
     _run_controller(cfg, stop)
@@ -324,10 +364,29 @@ def cmd_sweep(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import BenchError, run_bench
+    from .bench_multi import MultiBenchError, is_multi_model_scenario, run_bench_multi
     try:
+        if is_multi_model_scenario(args.scenario):
+            return run_bench_multi(args)      # two models sharing one device and memory budget
         return run_bench(args)
-    except BenchError as e:
+    except (BenchError, MultiBenchError) as e:
         raise UsageError(str(e)) from None
+
+
+def cmd_soak(args) -> int:
+    from .soak import SoakError, SoakOptions, run_soak, summary_line
+    opts = SoakOptions(reloads=args.reloads, out=args.out, rate_rps=args.rate_rps, model=args.model,
+                       repository=args.repository, url=args.url, grpc_url=args.grpc_url, metrics_url=args.metrics_url,
+                       auth_header=args.auth_header, gap_s=args.gap_s, seed=args.seed)
+    if not args.url and (args.grpc_url or args.metrics_url or args.auth_header):
+        raise UsageError("--grpc-url, --metrics-url and --auth-header need --url")
+    try:
+        doc = run_soak(opts)
+    except SoakError as e:
+        raise UsageError(str(e)) from None
+    print(summary_line(doc))
+    print(f"wrote {Path(args.out) / 'soak.json'}")
+    return 0 if doc["failed_requests"] == 0 and doc["server_failures"] == 0 and doc["reloads_failed"] == 0 else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    verbs = {"serve": cmd_serve, "run": cmd_run, "status": cmd_status, "sweep": cmd_sweep, "bench": cmd_bench}
+    verbs = {"serve": cmd_serve, "run": cmd_run, "status": cmd_status, "sweep": cmd_sweep, "bench": cmd_bench,
+             "soak": cmd_soak}
     try:
         return verbs[args.verb](args)
     except UsageError as e:

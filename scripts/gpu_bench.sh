@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU path: the real torch model (resnet_tiny) on KIND_GPU instances, NVML signals, a short bench.
+#   scripts/gpu_bench.sh [OUT_DIR]      (default results/gpu; under 10 minutes)
+#
+# NOT RUN IN THIS PROJECT'S CI OR ON ITS DEVELOPMENT MACHINE: they have no GPU. Written to be run on a
+# Linux host with an NVIDIA GPU and driver, a Python environment with this package installed
+# (`pip install -e .`, a CUDA build of torch, nvidia-pytriton or a `tritonserver` on PATH, e.g. inside the
+# NGC container), and nothing else listening on the chosen ports (they are picked free at run time).
+#
+# Steps:
+#  1. copy the model repository to a temporary folder and pin resnet_tiny's instances to KIND_GPU
+#     (the shipped config leaves `kind` out, which Triton already turns into KIND_GPU on a GPU host;
+#     pinning it makes a silent CPU fallback impossible: the load fails instead);
+#  2. check NVML sees a device (the controller runs with `gpu: nvml`, so no NVML = no bench);
+#  3. sweep instances 1,2,4 x max_queue_delay_us 0,2000 at the scenario's levels (about 1.5 minutes);
+#  4. bench default / best_static / oracle / adaptive over scripts/scenarios/gpu_short.yaml (80 s of
+#     traffic per arm, about 6-7 minutes with server starts) and print the same summary table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+OUT=${1:-results/gpu}
+SCENARIO=scripts/scenarios/gpu_short.yaml
+SLA_MS=${SLA_MS:-40}
+
+command -v nvidia-smi >/dev/null || { echo "gpu_bench.sh: nvidia-smi not found: this script needs an NVIDIA GPU host" >&2; exit 2; }
+"$PY" - <<'PYEOF' || { echo "gpu_bench.sh: NVML cannot see a GPU (pip install nvidia-ml-py; check the driver)" >&2; exit 2; }
+import pynvml
+pynvml.nvmlInit()
+n = pynvml.nvmlDeviceGetCount()
+assert n > 0
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+name = pynvml.nvmlDeviceGetName(h)
+print(f"NVML: {n} device(s); device 0 is {name.decode() if isinstance(name, bytes) else name}")
+PYEOF
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    || { echo "gpu_bench.sh: torch has no CUDA here; install a CUDA build of torch" >&2; exit 2; }
+
+REPO=$(mktemp -d /tmp/gpu-bench-repo.XXXXXX)
+trap 'rm -rf "$REPO"' EXIT
+cp -r model_repository/resnet_tiny "$REPO/"
+rm -rf "$REPO"/resnet_tiny/1/__pycache__
+# `{ count: 1 }` -> `{ count: 1, kind: KIND_GPU }` (fail loudly if the shipped config changed shape)
+sed -i 's/{ count: 1 }/{ count: 1, kind: KIND_GPU }/' "$REPO/resnet_tiny/config.pbtxt"
+grep -q "KIND_GPU" "$REPO/resnet_tiny/config.pbtxt" \
+    || { echo "gpu_bench.sh: could not set KIND_GPU in resnet_tiny's config.pbtxt (instance_group changed?)" >&2; exit 1; }
+
+mkdir -p "$OUT"
+"$PY" -m controller sweep --model resnet_tiny --repository "$REPO" --scenario "$SCENARIO" \
+    --instances 1,2,4 --delays-us 0,2000 --seconds 3 --sla-ms "$SLA_MS" --out "$OUT"
+"$PY" -m controller bench --model resnet_tiny --repository "$REPO" --scenario "$SCENARIO" \
+    --sweep "$OUT/sweep.json" --sla-ms "$SLA_MS" --controller-gpu nvml --max-instances 4 --out "$OUT"

@@ -1,0 +1,321 @@
+"""Tests for controller.sweep and controller.bench.
+
+Pure parts with worked numbers (choices from sweep cells, predictions, instance-seconds, step
+changes, reaction times, first good config, ratios, targets), the CLI's input errors, then one
+short end-to-end sweep (2 cells of 2 s) and one short four-arm bench (2 phases of 4 s) against
+real tritonservers running the SIMULATED accelerator model.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from controller.bench import (
+    ARMS, bench_ratios, choose_best_static, choose_oracle, evaluate_targets, first_good_config_s,
+    instance_seconds, pick, predicted_goodput, predicted_phase_goodput, reaction_times, step_changes,
+)
+from controller.cli import main
+from controller.loadgen import RequestRecord, load_trace
+from controller.sweep import (
+    Cell, best_per_level, cell_from_records, perf_points_from_sweep, rates_from_trace, sweep_document,
+)
+from controller.types import Settings
+
+import numpy as np
+
+
+def cell(inst: int, delay: int, rate: float, goodput: float, p99: float = 20.0, failed: int = 0) -> Cell:
+    return Cell(inst, delay, float(rate), float(rate), float(goodput), float(goodput), 10.0, p99,
+                int(rate * 4), failed, failed == 0 and p99 <= 40.0)
+
+
+# (1,0) misses at 300 req/s (half within SLA), (2,0) nearly keeps up, (4,0) keeps up.
+WORKED_CELLS = [
+    cell(1, 0, 100, 99.5), cell(1, 0, 300, 150.0, p99=90.0),
+    cell(2, 0, 100, 100.0), cell(2, 0, 300, 298.5),
+    cell(4, 0, 100, 100.0), cell(4, 0, 300, 300.0),
+]
+WORKED_TRACE = load_trace({"phases": [{"name": "A", "duration_s": 10, "rate_rps": 100},
+                                      {"name": "B", "duration_s": 10, "rate_rps": 300}]})
+
+
+# ----------------------------------------------------------------------------- choices from sweep cells
+def test_predicted_phase_goodput_worked_numbers():
+    per_phase = predicted_phase_goodput(WORKED_CELLS, WORKED_TRACE)
+    assert per_phase[Settings(1, 0)] == pytest.approx([99.5, 150.0])
+    assert per_phase[Settings(2, 0)] == pytest.approx([100.0, 298.5])
+    assert per_phase[Settings(4, 0)] == pytest.approx([100.0, 300.0])
+
+
+def test_best_static_takes_fewer_instances_within_one_percent():
+    # Totals: (1,0) (99.5+150)/2 = 124.75; (2,0) (100+298.5)/2 = 199.25; (4,0) 200.0.
+    # 199.25 >= 0.99 * 200 = 198: a tie, and ties go to fewer instances.
+    best, goodput = choose_best_static(WORKED_CELLS, WORKED_TRACE)
+    assert best == Settings(2, 0)
+    assert goodput == pytest.approx(199.25)
+    # Without the tolerance the strictly best one wins.
+    assert choose_best_static(WORKED_CELLS, WORKED_TRACE, tie_tolerance=0.0)[0] == Settings(4, 0)
+
+
+def test_best_static_weights_phases_by_duration():
+    # A long quiet phase and a short peak: (1,0) loses 150 req/s for 2 s, but the totals still differ
+    # by more than 1%: (1,0) = (99.5*98 + 150*2)/100 = 100.51; (2,0) = (100*98 + 298.5*2)/100 = 103.97.
+    trace = load_trace({"phases": [{"name": "quiet", "duration_s": 98, "rate_rps": 100},
+                                   {"name": "peak", "duration_s": 2, "rate_rps": 300}]})
+    best, goodput = choose_best_static(WORKED_CELLS, trace)
+    assert best == Settings(2, 0)
+    assert goodput == pytest.approx(103.97)
+
+
+def test_oracle_picks_per_phase():
+    # Phase A: (1,0) 99.5 >= 0.99 * 100 -> 1 instance; phase B: (2,0) 298.5 >= 297 -> 2 instances.
+    plan = choose_oracle(WORKED_CELLS, WORKED_TRACE)
+    assert [s for s, _ in plan] == [Settings(1, 0), Settings(2, 0)]
+    assert [g for _, g in plan] == pytest.approx([99.5, 298.5])
+    # Exact ties (2 and 4 instances both serve 100 at A) go to fewer instances even with no tolerance.
+    strict = choose_oracle(WORKED_CELLS, WORKED_TRACE, tie_tolerance=0.0)
+    assert [s for s, _ in strict] == [Settings(2, 0), Settings(4, 0)]
+
+
+def test_pick_prefers_shorter_delay_on_ties():
+    assert pick({Settings(2, 2000): 200.0, Settings(2, 0): 199.5, Settings(1, 0): 150.0}) == Settings(2, 0)
+
+
+def test_predicted_goodput_interpolates_and_is_flat_outside_levels():
+    curve = (np.array([100.0, 300.0]), np.array([0.99, 0.5]))
+    assert float(predicted_goodput(curve, 200.0)) == pytest.approx(200 * 0.745)   # 149
+    assert float(predicted_goodput(curve, 50.0)) == pytest.approx(49.5)           # fraction of the lowest level
+    assert float(predicted_goodput(curve, 400.0)) == pytest.approx(200.0)         # fraction of the highest level
+
+
+def test_predicted_goodput_of_a_ramp_averages_over_its_rates():
+    # Ramp 100 -> 300 with the fraction falling linearly from 0.99 to 0.5: the mean of
+    # r * (0.99 - 0.00245 (r - 100)) over r uniform in [100, 300] is 198 - 0.00245 * 23333.3 = 140.83.
+    cells = [cell(1, 0, 100, 99.0), cell(1, 0, 300, 150.0, p99=90.0)]
+    trace = load_trace({"phases": [{"name": "ramp", "duration_s": 10, "ramp": [100, 300]}]})
+    assert predicted_phase_goodput(cells, trace)[Settings(1, 0)][0] == pytest.approx(140.83, abs=0.1)
+
+
+def test_best_per_level_fewest_instances_meeting_sla():
+    cells = [cell(1, 0, 150, 140.0, p99=80.0), cell(2, 0, 150, 149.5), cell(4, 0, 150, 150.0),
+             cell(1, 0, 400, 250.0, p99=90.0), cell(2, 0, 400, 300.0, p99=70.0)]
+    best = {b["arrival_rps"]: b for b in best_per_level(cells)}
+    assert (best[150.0]["instance_count"], best[150.0]["met_sla"]) == (2, True)
+    # Nothing meets the SLA at 400: the highest goodput, flagged.
+    assert (best[400.0]["instance_count"], best[400.0]["met_sla"]) == (2, False)
+
+
+def test_cell_from_records_drops_warmup_and_counts_goodput():
+    records = ([RequestRecord(0.5, 0.5, 0.51, True, None)] * 10                # warm-up: ignored
+               + [RequestRecord(1.0 + i / 100, 1.0, 1.0 + i / 100 + 0.010, True, None) for i in range(90)]
+               + [RequestRecord(1.5, 1.5, 1.6, True, None)] * 8                 # 100 ms: outside a 40 ms SLA
+               + [RequestRecord(1.9, None, None, False, "timeout")] * 2)
+    c = cell_from_records(records, Settings(2, 500), 50.0, warmup_s=1.0, seconds=2.0, sla_ms=40.0)
+    assert (c.requests, c.failed) == (100, 2)
+    assert c.offered_rps == pytest.approx(50.0)
+    assert c.completion_rps == pytest.approx(49.0)
+    assert c.goodput_rps == pytest.approx(45.0)
+    assert c.p99_ms == pytest.approx(100.0)
+    assert not c.met_sla                     # failures and a p99 of 100 ms
+
+
+def test_rates_from_trace_merges_close_levels_and_keeps_the_peak():
+    trace = load_trace({"phases": [
+        {"name": "a", "duration_s": 1, "rate_rps": 30}, {"name": "b", "duration_s": 1, "ramp": [40, 200]},
+        {"name": "c", "duration_s": 1, "rate_rps": 220}, {"name": "d", "duration_s": 1, "rate_rps": 320,
+                                                          "burst": {"every_s": 0.5, "length_s": 0.1, "rate_rps": 400}}]})
+    assert rates_from_trace(trace) == [30.0, 40.0, 200.0, 320.0, 400.0]
+
+
+def test_perf_points_from_sweep(tmp_path):
+    doc = sweep_document("sim_accel", [cell(1, 0, 100, 99.5), cell(2, 2000, 300, 150.0, p99=90.0)],
+                         sla_ms=40, seconds=4, warmup_s=1, seed=0)
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(doc))
+    points = perf_points_from_sweep(path)
+    assert points == [
+        {"instance_count": 1, "max_queue_delay_us": 0, "arrival_rps": 100.0, "completion_rps": 99.5,
+         "p99_ms": 20.0, "met_target": True},
+        {"instance_count": 2, "max_queue_delay_us": 2000, "arrival_rps": 300.0, "completion_rps": 150.0,
+         "p99_ms": 90.0, "met_target": False},
+    ]
+
+
+# ----------------------------------------------------------------------------- timelines and bins
+def test_instance_seconds_integrates_the_live_count():
+    assert instance_seconds([(0, 1), (30, 4), (90, 2)], 120) == pytest.approx(330)
+    # A change before the traffic counts from 0; one after the end not at all.
+    assert instance_seconds([(0, 1), (-1.0, 3), (150, 8)], 100) == pytest.approx(300)
+    assert instance_seconds([(0, 2)], 60) == pytest.approx(120)
+    assert instance_seconds([], 60) == 0.0
+
+
+def test_step_changes_only_at_jumps():
+    trace = load_trace({"phases": [
+        {"name": "night", "duration_s": 10, "rate_rps": 40}, {"name": "ramp", "duration_s": 10, "ramp": [40, 300]},
+        {"name": "peak", "duration_s": 10, "rate_rps": 300}, {"name": "flash", "duration_s": 5, "rate_rps": 380},
+        {"name": "after", "duration_s": 5, "rate_rps": 320}, {"name": "low", "duration_s": 5, "rate_rps": 100}]})
+    steps = step_changes(trace)
+    # night->ramp and ramp->peak are continuous; flash->after is 60 < 0.2 * 380.
+    assert [(s["from_phase"], s["to_phase"], s["at_s"]) for s in steps] == [("peak", "flash", 30.0), ("after", "low", 40.0)]
+    assert (steps[0]["from_rps"], steps[0]["to_rps"]) == (300.0, 380.0)
+
+
+def bins_of(goodputs: list[float], start: float = 0.0, **extra) -> list[dict]:
+    return [{"start_s": start + i, "end_s": start + i + 1, "goodput_rps": g, **extra} for i, g in enumerate(goodputs)]
+
+
+def test_reaction_times_need_three_bins_within_ten_percent():
+    oracle = bins_of([100.0] * 20)
+    # Step at 5 s: 50%, 50% of the oracle, then 95, 92, 99 -> reaction = 8 - 5 = 3.
+    adaptive = bins_of([100.0] * 5 + [50.0, 50.0, 95.0, 92.0, 99.0] + [100.0] * 10)
+    out = reaction_times([{"at_s": 5.0}], adaptive, oracle, 20.0)
+    assert out[0]["reaction_s"] == 3.0
+    # One good bin alone is not enough: 95 then 50 again -> the next run of three starts at 12.
+    adaptive = bins_of([100.0] * 5 + [50.0, 95.0, 50.0, 50.0, 50.0, 50.0, 50.0, 99.0, 99.0, 99.0] + [100.0] * 5)
+    assert reaction_times([{"at_s": 5.0}], adaptive, oracle, 20.0)[0]["reaction_s"] == 8.0
+
+
+def test_reaction_times_stop_at_the_next_step_and_allow_better_than_oracle():
+    oracle = bins_of([100.0] * 20)
+    adaptive = bins_of([100.0] * 5 + [10.0] * 5 + [150.0] * 10)
+    out = reaction_times([{"at_s": 5.0}, {"at_s": 10.0}], adaptive, oracle, 20.0)
+    assert out[0]["reaction_s"] is None        # never within 10% before the next step at 10 s
+    assert out[1]["reaction_s"] == 1.0         # above the oracle counts as within
+
+
+def test_first_good_config_needs_load_sla_and_no_failure():
+    bins = [{"start_s": 0, "end_s": 1, "offered_rps": 0, "failed": 0, "p99_ms": None},
+            {"start_s": 1, "end_s": 2, "offered_rps": 50, "failed": 0, "p99_ms": 80.0},
+            {"start_s": 2, "end_s": 3, "offered_rps": 50, "failed": 1, "p99_ms": 20.0},
+            {"start_s": 3, "end_s": 4, "offered_rps": 50, "failed": 0, "p99_ms": 39.0}]
+    assert first_good_config_s(bins, 40.0) == 4
+    assert first_good_config_s(bins[:3], 40.0) is None
+
+
+def test_ratios_and_targets():
+    arms = {"default": {"goodput_rps": 100.0, "instance_seconds": 180.0, "failed_requests": 0},
+            "best_static": {"goodput_rps": 250.0, "instance_seconds": 360.0, "failed_requests": 0},
+            "oracle": {"goodput_rps": 260.0, "instance_seconds": 300.0, "failed_requests": 0},
+            "adaptive": {"goodput_rps": 240.0, "instance_seconds": 252.0, "failed_requests": 0}}
+    r = bench_ratios(arms)
+    assert r["adaptive_vs_default"] == pytest.approx(2.4)
+    assert r["adaptive_vs_best_static"] == pytest.approx(0.96)
+    assert r["adaptive_vs_oracle"] == pytest.approx(240 / 260)
+    assert r["instance_seconds_adaptive_vs_best_static"] == pytest.approx(0.7)
+    summary = {"arms": arms, "ratios": r, "reaction_s": [{"reaction_s": 12.0}, {"reaction_s": None}],
+               "first_good_config_s": 8.0, "controller_cpu_pct": 0.4}
+    t = evaluate_targets(summary)
+    assert all(t[k]["met"] for k in ("adaptive_vs_default", "adaptive_vs_best_static", "adaptive_vs_oracle",
+                                     "instance_seconds_adaptive_vs_best_static", "failed_requests_every_arm",
+                                     "first_good_config_s", "controller_cpu_pct"))
+    assert t["max_reaction_s"] == {"target": "<= 30", "value": "never", "met": False}
+    # Missing arms: ratios and targets say "not measured", never a made-up number.
+    partial = {"default": arms["default"]}
+    assert bench_ratios(partial)["adaptive_vs_default"] is None
+    t = evaluate_targets({"arms": partial, "ratios": bench_ratios(partial), "reaction_s": []})
+    assert t["adaptive_vs_default"]["met"] is None and t["failed_requests_every_arm"]["met"] is None
+
+
+# ----------------------------------------------------------------------------- CLI input errors
+@pytest.mark.parametrize("argv, needle", [
+    (["sweep", "--instances", "0,2"], "--instances"),
+    (["sweep", "--rates", "50,900"], "--rates"),
+    (["sweep", "--delays-us", "0,0"], "duplicate"),
+    (["bench", "--scenario", "/nonexistent.yaml"], "no such file"),
+    (["bench", "--scenario", "x.yaml", "--arms", "default,magic"], "--arms"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+
+
+def test_cli_bench_rejects_a_sweep_with_another_sla(tmp_path, capsys):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("phases:\n  - {name: a, duration_s: 2, rate_rps: 10}\n")
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(sweep_document("sim_accel", [cell(1, 0, 10, 10)], sla_ms=100, seconds=1,
+                                               warmup_s=0, seed=0)))
+    assert main(["bench", "--scenario", str(scenario), "--sweep", str(sweep), "--out", str(tmp_path / "o")]) == 2
+    assert "100 ms SLA" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- end to end (real server)
+def _have_server() -> bool:
+    from controller.server import ServerError, find_tritonserver
+    try:
+        find_tritonserver()
+        return True
+    except ServerError:
+        return False
+
+
+e2e = pytest.mark.skipif(not _have_server(), reason="no tritonserver binary (nvidia-pytriton not installed)")
+
+
+@pytest.mark.slow
+@e2e
+def test_sweep_end_to_end(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    rc = main(["sweep", "--model", "sim_accel", "--instances", "1,2", "--delays-us", "0", "--rates", "60",
+               "--seconds", "2", "--warmup-s", "0.5", "--sla-ms", "40", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "sweep.json").read_text())
+    assert [(c["instance_count"], c["max_queue_delay_us"], c["arrival_rps"]) for c in doc["cells"]] == [(1, 0, 60.0), (2, 0, 60.0)]
+    for c in doc["cells"]:
+        assert c["failed"] == 0 and c["requests"] > 60          # ~120 scheduled in 2 s
+        assert c["met_sla"] and c["p99_ms"] < 40                # 60 req/s is light for either config
+        assert c["goodput_rps"] == pytest.approx(c["offered_rps"], rel=0.02)
+    assert doc["best_per_level"][0]["instance_count"] == 1      # fewest instances meeting the SLA
+    assert (out / "sweep.png").stat().st_size > 10_000
+    table = capsys.readouterr().out
+    assert "best config per load level" in table and "60 req/s -> 1 inst, 0 us" in table
+    assert len(perf_points_from_sweep(out / "sweep.json")) == 2
+
+
+@pytest.mark.slow
+@e2e
+def test_bench_end_to_end_tiny_scenario(tmp_path, capsys):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text("phases:\n  - {name: low, duration_s: 4, rate_rps: 30}\n"
+                        "  - {name: high, duration_s: 4, rate_rps: 120}\n")
+    # A pre-made sweep: 1 instance is "predicted" to fall short at 120 req/s, 2 keep up.
+    cells = [cell(1, 0, 30, 30.0), cell(1, 0, 120, 80.0, p99=70.0), cell(2, 0, 30, 30.0), cell(2, 0, 120, 120.0)]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(sweep_document("sim_accel", cells, sla_ms=40, seconds=4, warmup_s=1, seed=0)))
+    out = tmp_path / "bench"
+    rc = main(["bench", "--scenario", str(scenario), "--sweep", str(sweep), "--sla-ms", "40", "--out", str(out)])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["best_static"] == {"instances": 2, "delay_us": 0, "predicted_goodput_rps": 75.0}
+    assert [(p["phase"], p["instances"]) for p in s["oracle_plan"]] == [("low", 1), ("high", 2)]
+    assert set(s["arms"]) == set(ARMS)
+    for name, a in s["arms"].items():
+        for key in ("goodput_rps", "p99_ms_by_phase", "failed_requests", "instance_seconds", "reloads"):
+            assert key in a, (name, key)
+        assert a["failed_requests"] == 0, (name, a["errors"])
+        assert set(a["p99_ms_by_phase"]) == {"low", "high"}
+        assert a["requests"] == s["requests"]                   # the same schedule for every arm
+    assert s["arms"]["default"]["instance_seconds"] == pytest.approx(8.0)
+    assert s["arms"]["best_static"]["instance_seconds"] == pytest.approx(16.0)
+    oracle = s["arms"]["oracle"]
+    assert oracle["reloads"] == 1 and oracle["instance_updates"] == 1   # 1 -> 2 in place at the border
+    assert 8.0 < oracle["instance_seconds"] < 13.0
+    for key in ("adaptive_vs_default", "adaptive_vs_best_static", "adaptive_vs_oracle",
+                "instance_seconds_adaptive_vs_best_static"):
+        assert s["ratios"][key] is not None and s["ratios"][key] > 0
+    assert [(r["from_phase"], r["to_phase"]) for r in s["reaction_s"]] == [("low", "high")]
+    assert s["first_good_config_s"] is not None and s["first_good_config_s"] <= 8
+    assert s["controller_cpu_pct"] is not None and 0 <= s["controller_cpu_pct"] < 100
+    assert set(s["targets"]) >= {"adaptive_vs_default", "adaptive_vs_best_static", "adaptive_vs_oracle",
+                                 "instance_seconds_adaptive_vs_best_static", "failed_requests_every_arm",
+                                 "max_reaction_s", "first_good_config_s", "controller_cpu_pct"}
+    assert all(t["met"] in (True, False) for t in s["targets"].values())
+    assert (out / "timeline.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "adaptive_vs_default" in printed and "best_static" in printed
