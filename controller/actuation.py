@@ -67,6 +67,9 @@ def with_settings(config: dict, target: Settings) -> dict:
     return new
 
 
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+
+
 class TritonControl:
     """The few repository/health calls the controller makes, over gRPC or HTTP."""
 
@@ -74,6 +77,11 @@ class TritonControl:
                  timeout_s: float = 10.0, load_timeout_s: float = 120.0):
         self.protocol = protocol
         self.headers = dict(headers or {})
+        if protocol == "grpc":
+            # why: Triton's --grpc-restricted-protocol=<p>:<key>=<value> expects the gRPC metadata key
+            # "triton-grpc-protocol-<key>"; the bare HTTP header name is refused (UNAVAILABLE)
+            self.headers = {k if k.lower().startswith(GRPC_HEADER_PREFIX) else GRPC_HEADER_PREFIX + k: v
+                            for k, v in self.headers.items()}
         self.timeout_s = timeout_s
         self.load_timeout_s = load_timeout_s
         if protocol == "grpc":
