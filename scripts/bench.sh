@@ -8,8 +8,9 @@
 # OUT_DIR/{sweep,timeline}.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
-[ -x /tmp/venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=/tmp/venv/bin/python
+# The README's virtualenv if there is one, else the python on PATH; PYTHON=... overrides both.
+PY=${PYTHON:-python3}
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 OUT=${1:-results/shift}
 SCENARIO=scripts/scenarios/shift.yaml
 SLA_MS=${SLA_MS:-40}
