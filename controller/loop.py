@@ -191,10 +191,10 @@ class Controller:
             # why: the server may have restarted (counters reset, instances fresh): nothing learned before
             # the gap is trusted; hold one full window like at start
             log.info("%s: server answers again; live config %s; holding one window", mm.name, live)
-            mm.state = policy.initial_state(now)
+            mm.state = policy.restarted_state(mm.state, now)
         elif mm.current is not None and live != mm.current:
             log.info("%s: live config changed outside the controller (%s -> %s); holding one window", mm.name, mm.current, live)
-            mm.state = policy.initial_state(now)
+            mm.state = policy.restarted_state(mm.state, now)
         mm.current = live
         mm.reachable = True
         return True

@@ -94,6 +94,12 @@ def initial_state(now: float) -> PolicyState:
     return PolicyState(started_at=now)
 
 
+def restarted_state(old: PolicyState, now: float) -> PolicyState:
+    """After a server restart or an outside change: hold one full window again, but keep what was
+    measured about the model itself (what each setting achieved, bytes per instance)."""
+    return PolicyState(started_at=now, perf=old.perf, instance_memory_bytes=old.instance_memory_bytes)
+
+
 def _hold(current: Settings, reason: str, detail: str = "", valid: bool = True) -> Decision:
     return Decision(target=current, reason=reason, valid=valid, detail=detail)
 

@@ -1025,3 +1025,14 @@ def test_a_failed_count_is_forgotten_after_a_while():
     late = NOW + LEARNED_MAX_MEMORY_S + 1.0
     decision, _ = decide(obs(**PRESSURED, since=late - 20.0), S(2), st1, no_delay, LOOP, late)
     assert (decision.reason, decision.target) == ("ScaleUpQueueGrowing", S(3))
+
+
+def test_restart_holds_a_window_but_keeps_what_was_measured():
+    perf = (PerfPoint(900.0, 2, 0, 250.0, 250.0, 30.0, True),)
+    old = state(perf=perf, instance_memory_bytes=64.0 * MiB, low_since=NOW - 50.0, saturated_at=3,
+                saturated_until=NOW + 100.0, last_change_at=NOW - 40.0)
+    new = policy.restarted_state(old, NOW)
+    assert (new.perf, new.instance_memory_bytes) == (perf, 64.0 * MiB)
+    assert (new.started_at, new.low_since, new.saturated_at, new.last_change_at) == (NOW, None, None, -math.inf)
+    decision, _ = decide(obs(**LOW), S(3), new, LIMITS, LOOP, NOW + 5.0)
+    assert decision.reason == "HoldWarmup"
