@@ -281,6 +281,7 @@ class BenchOptions:
     delays_us: Sequence[int] = (0, 2000)
     sweep_seconds: float = 4.0
     controller_gpu: str | None = None      # None: "simulated" for sim_accel, else "auto"
+    controller_scale_down_delay_s: float | None = None   # None: the controller's default
 
 
 def _proc_cpu_s(pid: int) -> float | None:
@@ -326,14 +327,17 @@ class _OracleSwitcher(threading.Thread):
             self.control.close()
 
 
-def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Path) -> None:
+def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Path) -> dict:
     import yaml
     doc = {"server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
            "controller": {"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
                           "decision_log": str(decision_log),
                           "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto")},
            "models": {opts.model: {"p99_target_ms": opts.sla_ms, "max_instances": opts.max_instances}}}
+    if opts.controller_scale_down_delay_s is not None:
+        doc["models"][opts.model]["scale_down_delay_s"] = opts.controller_scale_down_delay_s
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return doc
 
 
 def _read_decisions(path: Path) -> list[dict]:
@@ -373,7 +377,8 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
             if arm == "adaptive":
                 decision_log.unlink(missing_ok=True)
                 cfg_path = opts.out / "adaptive_controller.yaml"
-                _controller_config(cfg_path, server, opts, decision_log)
+                ctl_doc = _controller_config(cfg_path, server, opts, decision_log)
+                extra["controller_settings"] = {"controller": ctl_doc["controller"], "model": ctl_doc["models"][opts.model]}
                 log_file = open(opts.out / "adaptive_controller.log", "wb")
                 env = dict(os.environ)
                 root = str(Path(__file__).resolve().parent.parent)
@@ -652,7 +657,8 @@ def run_bench(args) -> int:
                         max_instances=args.max_instances, controller_interval_s=args.controller_interval_s,
                         controller_window_s=args.controller_window_s, instances=args.instances,
                         delays_us=args.delays_us, sweep_seconds=args.sweep_seconds,
-                        controller_gpu=args.controller_gpu)
+                        controller_gpu=args.controller_gpu,
+                        controller_scale_down_delay_s=args.controller_scale_down_delay_s)
     summary = bench(opts)
     print(format_summary(summary))
     print(f"wrote {opts.out / 'summary.json'} and {opts.out / 'timeline.png'}")

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="Poisson schedule seed, the same for every arm (default 0)")
     b.add_argument("--max-instances", type=_bounded(int, 1, 64), default=8, help="the controller's max_instances (default 8)")
     b.add_argument("--controller-interval-s", type=_bounded(float, 0.1, 60.0), default=1.0, help="controller tick (default 1)")
+    b.add_argument("--controller-scale-down-delay-s", type=_bounded(float, 0.0, 86_400.0),
+                   help="the controller's scale_down_delay_s (default: the controller's own, 30)")
     b.add_argument("--controller-window-s", type=_bounded(float, 1.0, 600.0), default=10.0, help="controller window (default 10)")
     b.add_argument("--controller-gpu", choices=("auto", "nvml", "simulated", "none"),
                    help="the controller's gpu source (default: simulated for sim_accel, else auto)")
