@@ -294,6 +294,16 @@ def _proc_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # fields 14, 15 of stat
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -408,13 +418,7 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
             if controller is not None:
                 cpu_end = _proc_cpu_s(controller.pid)
                 t_end = time.monotonic()
-                controller.send_signal(signal.SIGTERM)
-                try:
-                    controller.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    # `run --duration-s` keeps a non-daemon Timer thread that outlives SIGTERM until it fires
-                    controller.kill()
-                    controller.wait(timeout=10)
+                stop_process(controller, timeout_s=5)
                 decisions = _read_decisions(decision_log)
                 for rec in decisions:
                     if rec.get("action") == "applied":

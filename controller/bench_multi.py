@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from .bench import _proc_cpu_s, _read_decisions, instance_seconds, ratio
+from .bench import _proc_cpu_s, _read_decisions, instance_seconds, ratio, stop_process
 from .loadgen import Trace, TraceError, inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync, summarize
 from .types import Settings
 
@@ -166,12 +165,7 @@ def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path
             extra: dict = {}
             if controller is not None:
                 cpu1, t1 = _proc_cpu_s(controller.pid), time.monotonic()
-                controller.send_signal(signal.SIGTERM)
-                try:
-                    controller.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    controller.kill()
-                    controller.wait(timeout=10)
+                stop_process(controller, timeout_s=15)
                 moves = []
                 for rec in _read_decisions(decision_log):
                     if rec.get("action") == "applied":
