@@ -125,7 +125,7 @@ def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path
         control = TritonControl(server.grpc_url, server.http_url)
         act = Actuator(control)
         events: dict[str, list[tuple[float, int]]] = {}
-        controller, cpu0, t_spawn, decision_log = None, None, None, out / f"{arm}_decisions.jsonl"
+        controller, cpu0, decision_log = None, None, out / f"{arm}_decisions.jsonl"
         try:
             for i, name in enumerate(names):
                 start = Settings(split[i] if split else 1, 0)
@@ -146,7 +146,6 @@ def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path
                 controller = subprocess.Popen([sys.executable, "-m", "controller", "run", "--config", str(cfg_path)],
                                               stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
                 log_file.close()
-                t_spawn = time.monotonic()
                 time.sleep(CONTROLLER_LEAD_S)
                 cpu0 = _proc_cpu_s(controller.pid)
             inputs = {n: inputs_from_config(control.config(n)) for n in names}

@@ -1,8 +1,6 @@
 """Arbitration between models sharing one device and memory budget: table cases and a fake-clock scenario."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from controller import policy

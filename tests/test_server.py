@@ -18,7 +18,7 @@ import tritonclient.http as http
 import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on sys.path)
 from conftest import ROOT, start_server
 from controller.actuation import Actuator, TritonControl
-from controller.server import ServerError, ServerOptions, TritonServer, find_tritonserver, free_port
+from controller.server import ServerError, TritonServer, find_tritonserver, free_port
 from controller.types import Settings
 
 

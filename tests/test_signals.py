@@ -536,11 +536,7 @@ def test_scraper_network_errors_are_none_and_logged_once_per_streak(fake_server,
 
 @pytest.fixture(scope="module")
 def live_server():
-    from controller.server import ServerError, ServerOptions, TritonServer, find_tritonserver, free_port
-    try:
-        find_tritonserver()
-    except ServerError as error:
-        pytest.skip(f"no tritonserver: {error}")
+    from controller.server import ServerOptions, TritonServer, free_port
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), models=["resnet_tiny"])
     with TritonServer(options) as server:
         yield server
