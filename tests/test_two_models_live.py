@@ -16,7 +16,7 @@ from controller.loadgen import inputs_from_config, load_trace, poisson_schedule,
 from controller.loop import Controller
 
 MiB = 2**20
-BUDGET_MB = 300          # 64 MiB per instance: 4 instances fit in all, 5 do not
+BUDGET_MB = 200          # 64 MiB per instance: 3 instances fit in all, 4 do not
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_instances_move_to_the_busy_model_within_the_budget(two_model_server, tm
             t.join()
         controller.close()
     assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-    assert a_peak >= 3, seen[-5:]
+    assert a_peak >= 2, seen[-5:]      # with sim_b's one instance, the budget is then full
     final_a, final_b = controller.models["sim_a"].current.instance_count, controller.models["sim_b"].current.instance_count
     assert final_b >= 2 and final_a < a_peak, (final_a, final_b)
     assert all((a + b) * 64 <= BUDGET_MB for _, a, b, _ in seen)          # never over the budget, as counted
