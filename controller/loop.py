@@ -88,19 +88,18 @@ def simulated_devices(scraped: dict[str, ModelCounters] | None, total_mb: float)
 def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) -> tuple[policy.PerfPoint, ...]:
     """A sweep's cells for `model` as the policy's perf memory, judged against this model's own target.
     A missing or unreadable file is a one-line warning, not a crash: the controller then learns online."""
-    import json as _json
+    from .sweep import cells_of, load_sweep
     try:
-        doc = _json.loads(Path(path).read_text())
-        cells = doc["cells"] if doc.get("model", model) == model else []
-        points = tuple(
-            policy.PerfPoint(now, int(c["instance_count"]), int(c["max_queue_delay_us"]), float(c["offered_rps"]),
-                             float(c["completion_rps"]), c.get("p99_ms"),
-                             c.get("p99_ms") is not None and c["p99_ms"] <= limits.p99_target_ms
-                             and c.get("failed", 0) == 0 and float(c["completion_rps"]) >= 0.95 * float(c["offered_rps"]))
-            for c in cells)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        doc = load_sweep(path)
+        cells = cells_of(doc) if doc.get("model", model) == model else []
+    except ValueError as e:
         log.warning("warm start: cannot use %s (%s); learning online instead", path, _short(e))
         return ()
+    points = tuple(
+        policy.PerfPoint(now, c.instance_count, c.max_queue_delay_us, c.offered_rps, c.completion_rps, c.p99_ms,
+                         c.p99_ms is not None and c.p99_ms <= limits.p99_target_ms and c.failed == 0
+                         and c.completion_rps >= 0.95 * c.offered_rps)
+        for c in cells)
     return points[-policy.PERF_MEMORY:]
 
 

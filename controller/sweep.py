@@ -16,7 +16,7 @@ then the shorter delay; a level where nothing meets it reports the highest-goodp
 `met_sla: false`.
 
 Outputs: `sweep.json` (cells + best per level), `sweep.png` (throughput vs p99 per config) and a
-table. `perf_points_from_sweep(path)` turns the cells into perf points a controller can
+table. `controller.warm_start: sweep.json` turns the cells into perf points a controller can
 warm-start from.
 """
 from __future__ import annotations
@@ -229,17 +229,6 @@ def cells_of(doc: dict) -> list[Cell]:
         return [Cell(**{k: c[k] for k in fields}) for c in doc["cells"]]
     except (KeyError, TypeError) as e:
         raise ValueError(f"sweep cells: each needs {', '.join(fields)} ({e})") from None
-
-
-def perf_points_from_sweep(path: str | Path) -> list[dict]:
-    """The sweep's cells as controller perf points (for a warm start).
-
-    Each: {instance_count, max_queue_delay_us, arrival_rps, completion_rps, p99_ms, met_target}
-    where arrival_rps is the measured offered rate and met_target the cell's SLA verdict.
-    """
-    return [{"instance_count": c.instance_count, "max_queue_delay_us": c.max_queue_delay_us,
-             "arrival_rps": c.offered_rps, "completion_rps": c.completion_rps, "p99_ms": c.p99_ms,
-             "met_target": c.met_sla} for c in cells_of(load_sweep(path))]
 
 
 # ---------------------------------------------------------------------------------------------

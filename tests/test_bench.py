@@ -18,7 +18,7 @@ from controller.bench import (
 from controller.cli import main
 from controller.loadgen import RequestRecord, load_trace
 from controller.sweep import (
-    Cell, best_per_level, cell_from_records, perf_points_from_sweep, rates_from_trace, sweep_document,
+    Cell, best_per_level, cell_from_records, rates_from_trace, sweep_document,
 )
 from controller.types import Settings
 
@@ -128,18 +128,16 @@ def test_rates_from_trace_merges_close_levels_and_keeps_the_peak():
     assert rates_from_trace(trace) == [30.0, 40.0, 200.0, 320.0, 400.0]
 
 
-def test_perf_points_from_sweep(tmp_path):
+def test_sweep_warm_starts_the_controller(tmp_path):
+    from controller.config import ModelLimits
+    from controller.loop import warm_start_points
     doc = sweep_document("sim_accel", [cell(1, 0, 100, 99.5), cell(2, 2000, 300, 150.0, p99=90.0)],
                          sla_ms=40, seconds=4, warmup_s=1, seed=0)
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(doc))
-    points = perf_points_from_sweep(path)
-    assert points == [
-        {"instance_count": 1, "max_queue_delay_us": 0, "arrival_rps": 100.0, "completion_rps": 99.5,
-         "p99_ms": 20.0, "met_target": True},
-        {"instance_count": 2, "max_queue_delay_us": 2000, "arrival_rps": 300.0, "completion_rps": 150.0,
-         "p99_ms": 90.0, "met_target": False},
-    ]
+    points = warm_start_points(str(path), "sim_accel", ModelLimits(p99_target_ms=40.0), now=0.0)
+    assert [(p.instance_count, p.max_queue_delay_us, p.arrival_rps, p.completion_rps, p.p99_ms, p.met_target)
+            for p in points] == [(1, 0, 100.0, 99.5, 20.0, True), (2, 2000, 300.0, 150.0, 90.0, False)]
 
 
 # ----------------------------------------------------------------------------- timelines and bins
@@ -261,7 +259,9 @@ def test_sweep_end_to_end(tmp_path, capsys):
     assert (out / "sweep.png").stat().st_size > 10_000
     table = capsys.readouterr().out
     assert "best config per load level" in table and "60 req/s -> 1 inst, 0 us" in table
-    assert len(perf_points_from_sweep(out / "sweep.json")) == 2
+    from controller.config import ModelLimits
+    from controller.loop import warm_start_points
+    assert len(warm_start_points(str(out / "sweep.json"), "sim_accel", ModelLimits(), now=0.0)) == 2
 
 
 @pytest.mark.slow

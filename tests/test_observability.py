@@ -75,11 +75,11 @@ def test_warm_start_reads_a_sweep_and_judges_it_against_the_model_target(tmp_pat
     from controller.config import ModelLimits
     from controller.loop import warm_start_points
     sweep = tmp_path / "sweep.json"
-    cells = [
-        {"instance_count": 1, "max_queue_delay_us": 0, "offered_rps": 300.0, "completion_rps": 300.0, "p99_ms": 46.0, "failed": 0},
-        {"instance_count": 2, "max_queue_delay_us": 0, "offered_rps": 300.0, "completion_rps": 299.0, "p99_ms": 28.0, "failed": 0},
-        {"instance_count": 2, "max_queue_delay_us": 0, "offered_rps": 390.0, "completion_rps": 300.0, "p99_ms": 30.0, "failed": 0},
-    ]
+    def cell(n, offered, completed, p99):   # a sweep.json cell as `controller sweep` writes it
+        return {"instance_count": n, "max_queue_delay_us": 0, "arrival_rps": offered, "offered_rps": offered,
+                "completion_rps": completed, "goodput_rps": completed, "p50_ms": p99 / 2, "p99_ms": p99,
+                "requests": int(offered * 4), "failed": 0, "met_sla": p99 <= 100}
+    cells = [cell(1, 300.0, 300.0, 46.0), cell(2, 300.0, 299.0, 28.0), cell(2, 390.0, 300.0, 30.0)]
     sweep.write_text(json.dumps({"model": "sim_accel", "cells": cells}))
     points = warm_start_points(str(sweep), "sim_accel", ModelLimits(p99_target_ms=40.0), now=5.0)
     assert [(p.instance_count, p.arrival_rps, p.met_target) for p in points] == [
