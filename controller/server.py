@@ -53,6 +53,8 @@ class ServerOptions:
     models: list[str] | None = None          # None: every model folder in the repository
     restricted_key: tuple[str, str] | None = None   # (header name, value) guarding the repository API
     summary_latencies: bool = True
+    trace_file: bool = True                  # start with a request-trace file in the work dir, tracing OFF;
+                                             # the controller turns TIMESTAMPS on per model at run time
     log_verbose: int = 0
     log_path: Path | None = None             # None: a file in the work dir
     keep_workdir: bool = False               # keep the work dir (backend folder, default log) after stop
@@ -174,6 +176,13 @@ class TritonServer:
     def workdir(self) -> Path:
         return self._workdir
 
+    @property
+    def trace_path(self) -> Path | None:
+        """Base name of the rotated request-trace files (`<path>.0`, `<path>.1`, ...), or None."""
+        if not self.options.trace_file or self._workdir is None:
+            return None
+        return self._workdir / "traces" / "trace.json"
+
     # -- addresses -----------------------------------------------------------------
     @property
     def http_url(self) -> str:
@@ -204,6 +213,11 @@ class TritonServer:
         ]
         if o.summary_latencies:
             cmd.append("--metrics-config=summary_latencies=true")
+        if o.trace_file and self._workdir is not None:
+            # why: the trace file can only be set on the command line (the API refuses it); level OFF until
+            # the controller asks for TIMESTAMPS per model, with the rate and log frequency it adapts
+            cmd += [f"--trace-config=triton,file={self.trace_path}", "--trace-config=triton,log-frequency=50",
+                    "--trace-config=rate=1000", "--trace-config=level=OFF"]
         if backend_dir is not None:
             cmd.append(f"--backend-directory={backend_dir}")
         if o.restricted_key is not None:
@@ -243,6 +257,8 @@ class TritonServer:
         precompile_models(repo, names)
         self._workdir = Path(tempfile.mkdtemp(prefix="triton-ctl-"))
         backend_dir = assemble_backend_dir(self._workdir / "backends") if self.embedded else None
+        if self.trace_path is not None:
+            self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(o.log_path) if o.log_path else self._workdir / "tritonserver.log"
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
