@@ -3,8 +3,9 @@
 Three layers, each usable alone:
 
 * parsers (pure): `parse_metrics` reads the Prometheus text of `/metrics`, `parse_stats`
-  reads the JSON of `/v2/models/<m>/stats`. Garbage in gives `{}`, never an exception;
-  a missing, NaN or infinite number gives `None` ("no data"), never 0.
+  reads the JSON of `/v2/models/<m>/stats` (or of `/v2/models/stats`, every model at once).
+  Garbage in gives `{}`, never an exception; a missing, NaN or infinite number gives `None`
+  ("no data"), never 0.
 * `ModelWindow` (pure, one per managed model): a time-ordered list of
   `(t, ModelCounters | None)` samples and the arithmetic that turns the samples of one
   sliding window into an `Observation` (rates, per-request times, busy fraction, p99).
@@ -180,13 +181,45 @@ def _build_counters(nv: dict[str, float | None], custom: dict[str, float | None]
 
 
 @dataclass(frozen=True)
+class BatchStat:
+    """Cumulative compute statistics of the executions of one batch size (one `batch_stats` row).
+
+    Unlike `inference_stats`, which charges every request of a batch the whole batch's time,
+    these count each execution once: `executions` is the row's compute_infer count and the
+    `*_ns` fields are the total nanoseconds of those executions. Example: the row
+    `{batch_size: 2, compute_input: {count: 85, ns: 4350377}, compute_infer: {count: 85,
+    ns: 831398426}, compute_output: {count: 85, ns: 14632309}}` (sim_accel, Triton 2.51) gives
+    `BatchStat(85, 4350377, 831398426, 14632309)`: (4.35 + 831.40 + 14.63) ms / 85 = 10.0 ms
+    per execution of 2 items.
+    """
+
+    executions: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+
+    @property
+    def compute_ns(self) -> int:
+        """input + infer + output: the whole compute time of these executions."""
+        return self.compute_input_ns + self.compute_infer_ns + self.compute_output_ns
+
+    def __add__(self, other: "BatchStat") -> "BatchStat":
+        """Field-wise sum (two versions of a model, or two rows of one size)."""
+        return BatchStat(self.executions + other.executions,
+                         self.compute_input_ns + other.compute_input_ns,
+                         self.compute_infer_ns + other.compute_infer_ns,
+                         self.compute_output_ns + other.compute_output_ns)
+
+
+@dataclass(frozen=True)
 class StatsCounters:
     """One model's cumulative statistics from `/v2/models/<m>/stats` (summed over versions).
 
     Counts are requests (`*_count`) and times are nanoseconds (`*_ns`), as Triton reports
     them; `inference_count` counts items and `execution_count` batches. `batch_stats`
-    maps a batch size to the number of executions of that size (its compute_infer count).
-    These counters belong to the loaded model object: they restart after a full reload.
+    maps a batch size to the `BatchStat` of the executions of that size; a size with no row
+    has had no execution (0). These counters belong to the loaded model object: they
+    restart after a full reload.
     """
 
     inference_count: int | None = None
@@ -203,7 +236,7 @@ class StatsCounters:
     compute_infer_ns: int | None = None
     compute_output_count: int | None = None
     compute_output_ns: int | None = None
-    batch_stats: dict[int, int] = field(default_factory=dict)
+    batch_stats: dict[int, BatchStat] = field(default_factory=dict)
 
 
 _STAT_SECTIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
@@ -235,17 +268,35 @@ def _stats_fields(entry: Mapping[str, Any]) -> dict[str, int | None]:
     return fields
 
 
-def _batch_stats(entry: Mapping[str, Any]) -> dict[int, int]:
-    result: dict[int, int] = {}
+def _section(row: Mapping[str, Any], name: str) -> tuple[int | None, int | None]:
+    """(count, ns) of one section of a batch_stats row; None where absent or not a counter."""
+    section = row.get(name)
+    if not isinstance(section, Mapping):
+        return None, None
+    return _count(section.get("count")), _count(section.get("ns"))
+
+
+def _batch_row(row: Any) -> tuple[int, BatchStat] | None:
+    """One batch_stats row as (size, BatchStat), or None unless every number is known."""
+    if not isinstance(row, Mapping):
+        return None
+    size = _count(row.get("batch_size"))
+    executions, infer_ns = _section(row, "compute_infer")
+    input_ns = _section(row, "compute_input")[1]
+    output_ns = _section(row, "compute_output")[1]
+    if size is None or executions is None or None in (infer_ns, input_ns, output_ns):
+        return None  # why: a row without its times gives no service time, and 0 would read as free compute
+    return size, BatchStat(executions, input_ns, infer_ns, output_ns)
+
+
+def _batch_stats(entry: Mapping[str, Any]) -> dict[int, BatchStat]:
+    result: dict[int, BatchStat] = {}
     rows = entry.get("batch_stats")
     for row in rows if isinstance(rows, list) else []:
-        if not isinstance(row, Mapping):
-            continue
-        size = _count(row.get("batch_size"))
-        infer = row.get("compute_infer")
-        executions = _count(infer.get("count")) if isinstance(infer, Mapping) else None
-        if size is not None and executions is not None:
-            result[size] = result.get(size, 0) + executions
+        parsed = _batch_row(row)
+        if parsed is not None:
+            size, stat = parsed
+            result[size] = result[size] + stat if size in result else stat
     return result
 
 
@@ -253,8 +304,12 @@ def parse_stats(obj: Any) -> dict[str, StatsCounters]:
     """Parse the statistics JSON (a parsed object, or its str/bytes) into `{model: StatsCounters}`.
 
     Example: two versions of model `m` with success counts 5 and 7 give
-    `success_count=12`; `batch_stats` rows `{batch_size: 4, compute_infer: {count: 3}}` give
-    `{4: 3}`. Anything that is not Triton's `{"model_stats": [...]}` shape gives `{}`.
+    `success_count=12`; a `batch_stats` row `{batch_size: 4, compute_input: {count: 3, ns: 30},
+    compute_infer: {count: 3, ns: 9000}, compute_output: {count: 3, ns: 60}}` gives
+    `{4: BatchStat(executions=3, compute_input_ns=30, compute_infer_ns=9000, compute_output_ns=60)}`
+    (a row missing any of those numbers is left out). Both `/v2/models/<m>/stats` and
+    `/v2/models/stats` (every model in one answer) have this shape. Anything that is not
+    Triton's `{"model_stats": [...]}` shape gives `{}`.
     """
     try:
         if isinstance(obj, (str, bytes, bytearray)):
@@ -262,7 +317,7 @@ def parse_stats(obj: Any) -> dict[str, StatsCounters]:
         entries = obj.get("model_stats") if isinstance(obj, Mapping) else None
         if not isinstance(entries, list):
             return {}
-        merged: dict[str, tuple[dict[str, int | None], dict[int, int]]] = {}
+        merged: dict[str, tuple[dict[str, int | None], dict[int, BatchStat]]] = {}
         for entry in entries:
             if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or not entry["name"]:
                 continue
@@ -273,8 +328,8 @@ def parse_stats(obj: Any) -> dict[str, StatsCounters]:
 
 
 def _merge_stats(
-    merged: dict[str, tuple[dict[str, int | None], dict[int, int]]],
-    name: str, fields: dict[str, int | None], batches: dict[int, int],
+    merged: dict[str, tuple[dict[str, int | None], dict[int, BatchStat]]],
+    name: str, fields: dict[str, int | None], batches: dict[int, BatchStat],
 ) -> None:
     if name not in merged:
         merged[name] = (fields, batches)
@@ -282,8 +337,8 @@ def _merge_stats(
     old_fields, old_batches = merged[name]
     for key, value in fields.items():
         old_fields[key] = _add(old_fields[key], value)
-    for size, count in batches.items():
-        old_batches[size] = old_batches.get(size, 0) + count
+    for size, stat in batches.items():
+        old_batches[size] = old_batches[size] + stat if size in old_batches else stat
 
 
 # ---------------------------------------------------------------------------------
@@ -494,7 +549,7 @@ def _with_scheme(url: str) -> str:
 
 
 class Scraper:
-    """Fetches `/metrics` and `/v2/models/<m>/stats`; failures give None, never raise.
+    """Fetches `/metrics` and `/v2/models/<m>/stats` (or every model's); failures give None, never raise.
 
     A failure is logged once (warning) per streak of failures of the same endpoint kind,
     and the first success after a streak is logged once (info).
@@ -516,6 +571,15 @@ class Scraper:
         url = f"{self.http_url}/v2/models/{urllib.parse.quote(model, safe='')}/stats"
         body = self._get("stats", url)
         return None if body is None else parse_stats(body).get(model)
+
+    def all_stats(self) -> dict[str, StatsCounters] | None:
+        """Every loaded model's statistics in one request (`GET /v2/models/stats`); None on failure.
+
+        A model missing from the answer (not loaded) is missing from the dict; a body that is
+        not Triton's shape gives `{}`.
+        """
+        body = self._get("all_stats", f"{self.http_url}/v2/models/stats")
+        return None if body is None else parse_stats(body)
 
     def _get(self, kind: str, url: str) -> bytes | None:
         request = urllib.request.Request(url, headers=self.headers)
@@ -539,7 +603,7 @@ def counters_for(models: Iterable[str], scraped: dict[str, ModelCounters] | None
 
 
 __all__ = [
-    "ModelCounters", "StatsCounters", "Sample", "ModelWindow", "Scraper",
+    "ModelCounters", "BatchStat", "StatsCounters", "Sample", "ModelWindow", "Scraper",
     "parse_metrics", "parse_stats", "busy_fraction", "counters_for",
     "REQUIRED_FIELDS", "CUMULATIVE_FIELDS",
 ]

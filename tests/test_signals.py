@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from controller.signals import (
     REQUIRED_FIELDS,
+    BatchStat,
     ModelCounters,
     ModelWindow,
     Scraper,
@@ -186,8 +187,26 @@ def test_parse_real_stats_sample():
     assert (s.fail_count, s.fail_ns) == (0, 0)
     assert (s.queue_count, s.queue_ns) == (5, 607174)
     assert (s.compute_infer_count, s.compute_infer_ns) == (5, 136982896)
-    assert s.batch_stats == {1: 2, 2: 1, 3: 1, 4: 1}
-    assert sum(size * n for size, n in s.batch_stats.items()) == s.inference_count  # 2+2+3+4 = 11
+    assert {size: b.executions for size, b in s.batch_stats.items()} == {1: 2, 2: 1, 3: 1, 4: 1}
+    assert sum(size * b.executions for size, b in s.batch_stats.items()) == s.inference_count  # 2+2+3+4 = 11
+    assert sum(b.executions for b in s.batch_stats.values()) == s.execution_count
+    assert s.batch_stats[2] == BatchStat(executions=1, compute_input_ns=84626, compute_infer_ns=47653546,
+                                         compute_output_ns=134771)
+    assert s.batch_stats[1].compute_ns == 274710 + 65198246 + 198987
+    # each execution counted once here, where inference_stats charges each request its batch's time
+    assert sum(b.compute_infer_ns for b in s.batch_stats.values()) <= s.compute_infer_ns
+
+
+def test_parse_all_models_stats_answer():
+    # Shape of GET /v2/models/stats (tritonserver 2.51): one entry per loaded model, an idle one with no rows.
+    idle = {"name": "idle", "version": "1", "last_inference": 0, "inference_count": 0, "execution_count": 0,
+            "inference_stats": {k: {"count": 0, "ns": 0} for k in ("success", "fail", "queue", "compute_input",
+                                                                   "compute_infer", "compute_output")},
+            "batch_stats": [], "memory_usage": []}
+    stats = parse_stats({"model_stats": [idle, *STATS_SAMPLE["model_stats"]]})
+    assert set(stats) == {"idle", "resnet_tiny"}
+    assert stats["idle"].batch_stats == {} and stats["idle"].execution_count == 0
+    assert stats["resnet_tiny"] == parse_stats(STATS_SAMPLE)["resnet_tiny"]
 
 
 def test_parse_stats_accepts_text_and_bytes():
@@ -195,21 +214,44 @@ def test_parse_stats_accepts_text_and_bytes():
     assert parse_stats(raw) == parse_stats(raw.encode()) == parse_stats(STATS_SAMPLE)
 
 
+def _row(size, count, infer_ns, input_ns=1, output_ns=2) -> dict:
+    """A batch_stats row whose input and output times are `input_ns` and `output_ns` per execution."""
+    return {"batch_size": size, "compute_input": {"count": count, "ns": input_ns * count},
+            "compute_infer": {"count": count, "ns": infer_ns}, "compute_output": {"count": count, "ns": output_ns * count}}
+
+
 def test_parse_stats_sums_versions_and_marks_unknowns():
     obj = {"model_stats": [
         {"name": "m", "version": "1", "inference_count": 8, "execution_count": 2,
          "inference_stats": {"success": {"count": 5, "ns": 50}, "queue": {"count": 5, "ns": "x"}},
-         "batch_stats": [{"batch_size": 4, "compute_infer": {"count": 2, "ns": 9}}]},
+         "batch_stats": [_row(4, 2, 9)]},
         {"name": "m", "version": "2", "inference_count": 4, "execution_count": 1,
          "inference_stats": {"success": {"count": 7, "ns": 70}, "queue": {"count": 7, "ns": 1}},
-         "batch_stats": [{"batch_size": 4, "compute_infer": {"count": 1}}, {"batch_size": "?"}]},
+         "batch_stats": [_row(4, 1, 5), {"batch_size": 8, "compute_infer": {"count": 1}},  # no times: left out
+                         {"batch_size": "?"}]},
         {"version": "1", "inference_count": 99},   # no name: skipped
     ]}
     s = parse_stats(obj)["m"]
     assert (s.inference_count, s.execution_count, s.success_count, s.success_ns) == (12, 3, 12, 120)
     assert s.queue_count == 12 and s.queue_ns is None   # one unknown part makes the sum unknown
     assert s.fail_count is None                          # absent section
-    assert s.batch_stats == {4: 3}
+    assert s.batch_stats == {4: BatchStat(executions=3, compute_input_ns=3, compute_infer_ns=14, compute_output_ns=6)}
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param({"batch_size": 2, "compute_infer": {"count": 1, "ns": 10}}, id="no-input-output"),
+        pytest.param({**_row(2, 1, 10), "compute_output": {"count": 1, "ns": -5}}, id="negative-ns"),
+        pytest.param({**_row(2, 1, 10), "compute_infer": {"count": 1.5e400, "ns": 10}}, id="infinite-count"),
+        pytest.param({**_row(2, 1, 10), "compute_input": None}, id="section-not-an-object"),
+        pytest.param({**_row(2, 1, 10), "batch_size": -1}, id="negative-size"),
+        pytest.param({**_row(2, 1, 10), "batch_size": True}, id="bool-size"),
+    ],
+)
+def test_incomplete_batch_rows_are_left_out(row):
+    obj = {"model_stats": [{"name": "m", "batch_stats": [row, _row(1, 3, 30)]}]}
+    assert parse_stats(obj)["m"].batch_stats == {1: BatchStat(3, 3, 30, 6)}
 
 
 @pytest.mark.parametrize(
@@ -233,7 +275,8 @@ _json = st.recursive(
     lambda inner: st.one_of(
         st.lists(inner, max_size=4),
         st.dictionaries(st.sampled_from(["model_stats", "name", "inference_stats", "success", "count", "ns",
-                                         "batch_stats", "batch_size", "compute_infer", "x"]) | st.text(max_size=5),
+                                         "batch_stats", "batch_size", "compute_infer", "compute_input",
+                                         "compute_output", "x"]) | st.text(max_size=5),
                         inner, max_size=5),
     ),
     max_leaves=30,
@@ -250,6 +293,9 @@ def test_fuzz_parse_stats_never_raises(obj):
         assert isinstance(s, StatsCounters)
         numbers = [getattr(s, f.name) for f in fields(s) if f.name != "batch_stats"]
         assert all(n is None or (isinstance(n, int) and n >= 0) for n in numbers)
+        for size, b in s.batch_stats.items():
+            assert isinstance(size, int) and size >= 0 and isinstance(b, BatchStat)
+            assert all(isinstance(getattr(b, f.name), int) and getattr(b, f.name) >= 0 for f in fields(b))
     as_text = obj.decode("utf-8", "replace") if isinstance(obj, bytes) else obj if isinstance(obj, str) else json.dumps(obj)
     if "model_stats" not in as_text:  # garbage is no data
         assert parsed == {}
@@ -473,7 +519,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         _Handler.seen_headers.append({k.lower(): v for k, v in self.headers.items()})
         if self.path == "/metrics":
             body, code = METRICS_SAMPLE.encode(), 200
-        elif self.path == "/v2/models/resnet_tiny/stats":
+        elif self.path in ("/v2/models/resnet_tiny/stats", "/v2/models/stats"):
             body, code = json.dumps(STATS_SAMPLE).encode(), 200
         else:
             body, code = b'{"error":"unknown model"}', 400
@@ -501,8 +547,10 @@ def test_scraper_reads_both_endpoints_and_sends_headers(fake_server):
     metrics = scraper.metrics()
     assert metrics is not None and metrics["resnet_tiny"].success == 5
     stats = scraper.stats("resnet_tiny")
-    assert stats is not None and stats.batch_stats == {1: 2, 2: 1, 3: 1, 4: 1}
-    assert all(h.get("admin-key") == "s3cret" for h in _Handler.seen_headers[-2:])
+    assert stats is not None and {size: b.executions for size, b in stats.batch_stats.items()} == {1: 2, 2: 1, 3: 1, 4: 1}
+    every = scraper.all_stats()
+    assert every is not None and every == {"resnet_tiny": stats}
+    assert all(h.get("admin-key") == "s3cret" for h in _Handler.seen_headers[-3:])
 
 
 def test_scraper_http_error_is_none(fake_server, caplog):
@@ -518,6 +566,9 @@ def test_scraper_network_errors_are_none_and_logged_once_per_streak(fake_server,
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]  # closed again below: nothing listens there
     scraper = Scraper(f"http://127.0.0.1:{dead_port}/metrics", f"127.0.0.1:{dead_port}", timeout_s=0.5)
+    assert [scraper.all_stats() for _ in range(2)] == [None, None]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    caplog.clear()
     assert [scraper.metrics() for _ in range(3)] == [None, None, None]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(dead_port) in warnings[0].getMessage()
@@ -576,6 +627,11 @@ def test_live_server_counters_rise_after_inferences(live_server):
     assert a.custom["model_executions_total"] - b.custom["model_executions_total"] == 3
     stats_after = scraper.stats("resnet_tiny")
     assert stats_after.success_count - stats_before.success_count == 3
+    for size in (1, 2, 3):   # one execution of each size, its compute time counted once
+        was = stats_before.batch_stats.get(size, BatchStat(0, 0, 0, 0))
+        now = stats_after.batch_stats[size]
+        assert now.executions - was.executions == 1 and now.compute_ns > was.compute_ns
+    assert scraper.all_stats()["resnet_tiny"].execution_count == stats_after.execution_count
 
     obs = window.observe(now=time.monotonic(), window_s=60.0, instance_count=1)
     assert obs.valid and obs.completion_rps > 0 and obs.avg_batch_size == pytest.approx(2.0)

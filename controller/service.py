@@ -1,0 +1,332 @@
+"""Service time per batch size: how long one execution of `b` items takes, per live configuration.
+
+Triton's `batch_stats` (`signals.BatchStat`) count each execution once, per batch size, with its
+compute_input/infer/output nanoseconds. The difference between two scrapes gives, for every size
+`b` that ran in between, (executions, mean ms). A line fitted to those means,
+
+    s(b) = alpha + beta * b        (ms of compute for one execution of a batch of b)
+
+weighted by the executions, is the model's service curve: `alpha` the fixed cost of an execution
+(launch, copies, framework), `beta` the cost of one more item. It is what batching buys: b items
+cost alpha + beta*b together instead of b*(alpha + beta) one by one.
+
+Two layers, both pure (no I/O, no clock: the caller passes the time):
+
+* `fit_service`: weighted least squares over `{b: (executions, mean ms)}`, with alpha and beta
+  kept >= 0;
+* `ServiceTimes` (one per managed model): turns the model's cumulative statistics, one sample
+  per tick, into per-size sums per configuration (`Settings`), because instances on one device
+  contend and s(b) grows with the instance count, so every configuration has its own curve.
+
+Counter restarts (a full reload, a server restart) and configuration changes never put a wrong
+or negative interval into the sums: such an interval is dropped and the sample that ends it
+becomes the new baseline.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .signals import BatchStat, StatsCounters
+from .types import Settings
+
+MIN_EXECUTIONS = 20         # fewer executions of a configuration than this: no fit
+HALF_LIFE_S = 600.0         # data of a configuration loses half its weight per 10 min of newer data
+MAX_CONFIGS = 32            # configurations kept per model; the least recently fed goes first
+MAX_SIZES = 1024            # batch sizes kept per configuration (Triton's max_batch_size is far lower)
+MIN_WEIGHT = 0.01           # a size whose decayed executions fall below this is forgotten
+
+
+@dataclass(frozen=True)
+class ServiceFit:
+    """The service curve s(b) = alpha_ms + beta_ms * b of one configuration, and what it rests on.
+
+    `batch_sizes` maps each size seen to (executions, mean ms of compute per execution);
+    `executions` is their sum. Executions are weights: whole counts unless old data has been
+    decayed (`ServiceTimes(half_life_s=...)`), then fractional.
+
+    `r2` is the weighted coefficient of determination of the per-size *means* (weights =
+    executions): 1 - sum n_b (m_b - s(b))^2 / sum n_b (m_b - mean)^2. It says how straight the
+    curve is, not how much single executions scatter around it. It is 1.0 when every mean is
+    the same (a flat line fits them exactly) and lies in [0, 1] (see `fit_service`).
+
+    With a single size seen the slope is unknown: `alpha_ms`, `beta_ms` and `r2` are None, and
+    `predict_ms` gives a bound that never promises a saving from batching (see there).
+    """
+
+    alpha_ms: float | None
+    beta_ms: float | None
+    r2: float | None
+    executions: float
+    batch_sizes: dict[int, tuple[float, float]]
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready, rounded: {"alpha_ms", "beta_ms", "r2", "executions", "sizes"}."""
+        return {"alpha_ms": _rounded(self.alpha_ms), "beta_ms": _rounded(self.beta_ms), "r2": _rounded(self.r2),
+                "executions": round(self.executions), "sizes": sorted(self.batch_sizes)}
+
+    def predict_ms(self, b: float) -> float:
+        """Compute time of one execution of a batch of `b` (a negative `b` counts as 0).
+
+        Example: alpha 6, beta 1.5 -> predict_ms(4) = 12.0. With one size seen, say 9 ms at
+        b=2: predict_ms(1) = 9.0 and predict_ms(4) = 18.0. Both are upper bounds whenever the
+        true curve has alpha, beta >= 0 (a smaller batch costs no more; a larger one costs at
+        most proportionally more), so an unknown slope never reads as cheap batching.
+        """
+        b = max(0.0, b)
+        if self.alpha_ms is None or self.beta_ms is None:
+            (size, (_, mean_ms)), = self.batch_sizes.items()
+            return mean_ms * max(1.0, b / size)
+        return self.alpha_ms + self.beta_ms * b
+
+
+def _usable_point(b: Any, point: Any) -> tuple[float, float] | None:
+    """(executions, mean ms) if `b` is a size >= 1, executions finite > 0 and the mean finite >= 0."""
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        return None
+    if not isinstance(point, (tuple, list)) or len(point) != 2:
+        return None
+    n, mean_ms = point
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in (n, mean_ms)):
+        return None
+    return (float(n), float(mean_ms)) if n > 0 and mean_ms >= 0 else None
+
+
+def _sq(x: float) -> float:
+    return x * x  # why: float ** 2 raises OverflowError where x * x gives inf (caught below)
+
+
+def _sse(points: dict[int, tuple[float, float]], alpha: float, beta: float) -> float:
+    return sum(n * _sq(m - alpha - beta * b) for b, (n, m) in points.items())
+
+
+def fit_service(points: Mapping[int, tuple[float, float]]) -> ServiceFit | None:
+    """Fit s(b) = alpha + beta*b to `{b: (executions, mean ms)}` by least squares weighted by executions.
+
+    Worked example: {1: (30, 8.0), 2: (20, 9.0), 4: (10, 13.0)}: N = 60 executions, weighted mean
+    size 110/60 = 1.833, mean time 550/60 = 9.167 ms; Sxx = sum n(b - 1.833)^2 = 68.33,
+    Sxy = sum n(b - 1.833)(m - 9.167) = 111.67, so beta = 111.67/68.33 = 1.634 ms per item and
+    alpha = 9.167 - 1.634 * 1.833 = 6.171 ms; residuals give SSE 5.85 against SST 188.3, r2 = 0.969.
+
+    The fit is constrained to alpha >= 0 and beta >= 0 (a negative fixed cost, or a batch that
+    gets cheaper with more items, is noise). When the free line breaks a constraint, the
+    optimum lies on the boundary: the better (smaller weighted SSE) of the flat line at the
+    weighted mean and the line through the origin (beta = sum n b m / sum n b^2). Example:
+    {2: (10, 2.0), 4: (10, 6.0)} is free 2b - 2; through the origin beta = 280/200 = 1.4 (SSE 8)
+    beats flat 4.0 (SSE 80): alpha 0, beta 1.4, r2 = 1 - 8/80 = 0.9. As the flat line is a
+    candidate and its SSE is the total SS, r2 is never below 0.
+
+    Points with a size below 1, no executions, or a mean that is negative or not finite are
+    ignored. No usable point (or sums that overflow) gives None; one size gives a fit with
+    alpha, beta and r2 None. Never raises.
+    """
+    usable: dict[int, tuple[float, float]] = {}
+    for b, point in (points.items() if isinstance(points, Mapping) else ()):
+        cleaned = _usable_point(b, point)
+        if cleaned is not None:
+            usable[b] = cleaned
+    if not usable:
+        return None
+    total = sum(n for n, _ in usable.values())
+    if len(usable) == 1:
+        # why: one size says nothing about the slope; predict_ms then bounds from that size alone
+        return ServiceFit(None, None, None, total, usable) if math.isfinite(total) else None
+    b_mean = sum(n * b for b, (n, _) in usable.items()) / total
+    y_mean = sum(n * m for n, m in usable.values()) / total
+    sxx = sum(n * _sq(b - b_mean) for b, (n, _) in usable.items())
+    sxy = sum(n * (b - b_mean) * (m - y_mean) for b, (n, m) in usable.items())
+    sst = sum(n * _sq(m - y_mean) for n, m in usable.values())
+    beta = sxy / sxx if sxx > 0 else 0.0
+    alpha = y_mean - beta * b_mean
+    if alpha < 0 or beta < 0:
+        sbb = sum(n * b * b for b, (n, _) in usable.items())
+        through_origin = (0.0, sum(n * b * m for b, (n, m) in usable.items()) / sbb if sbb > 0 else 0.0)
+        flat = (y_mean, 0.0)
+        alpha, beta = min(flat, through_origin, key=lambda line: _sse(usable, *line))
+    sse = _sse(usable, alpha, beta)
+    # why: equal means leave no variance to explain; the (flat) fit through them is exact
+    r2 = 1.0 if sst <= 1e-12 * total * _sq(max(y_mean, 1e-12)) else max(0.0, 1.0 - sse / sst)
+    if not all(math.isfinite(v) for v in (alpha, beta, r2, total)):
+        return None  # why: absurd inputs overflow the sums; no fit is better than an inf one
+    return ServiceFit(max(0.0, alpha), max(0.0, beta), r2, total, usable)
+
+
+# ---------------------------------------------------------------------------------
+# Accumulating one model's statistics
+# ---------------------------------------------------------------------------------
+
+_SCALAR_COUNTERS = ("inference_count", "execution_count", "success_count", "success_ns", "fail_count", "fail_ns",
+                    "queue_count", "queue_ns", "compute_input_count", "compute_input_ns", "compute_infer_count",
+                    "compute_infer_ns", "compute_output_count", "compute_output_ns")
+_BATCH_COUNTERS = ("executions", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
+_NO_EXECUTION = BatchStat(0, 0, 0, 0)
+
+
+def counters_restarted(before: StatsCounters, after: StatsCounters) -> bool:
+    """True if any cumulative counter went down between two samples (full reload, server restart).
+
+    A batch size whose row disappeared counts as its counters falling to 0. Example: before
+    `execution_count=258, batch_stats={1: BatchStat(128, ...)}`, after a full reload with no
+    traffic yet `execution_count=0, batch_stats={}` -> True. Unknown (None) counters are not compared.
+    """
+    for name in _SCALAR_COUNTERS:
+        old, new = getattr(before, name), getattr(after, name)
+        if old is not None and new is not None and new < old:
+            return True
+    for size, old_stat in before.batch_stats.items():
+        new_stat = after.batch_stats.get(size, _NO_EXECUTION)
+        if any(getattr(new_stat, f) < getattr(old_stat, f) for f in _BATCH_COUNTERS):
+            return True
+    return False
+
+
+def batch_deltas(before: StatsCounters, after: StatsCounters) -> dict[int, tuple[int, int]]:
+    """Per batch size >= 1, (executions, compute ns) run between two samples of unrestarted counters.
+
+    A size absent before had no execution then (0). Sizes with nothing new are left out.
+    Example: size 2 at (85 executions, 850,381,112 ns) then (95, 950,000,000) -> {2: (10, 99,618,888)}.
+    """
+    deltas: dict[int, tuple[int, int]] = {}
+    for size, new_stat in after.batch_stats.items():
+        old_stat = before.batch_stats.get(size, _NO_EXECUTION)
+        executions = new_stat.executions - old_stat.executions
+        ns = new_stat.compute_ns - old_stat.compute_ns
+        if size >= 1 and (executions > 0 or ns > 0) and executions >= 0 and ns >= 0:
+            deltas[size] = (executions, ns)
+    return deltas
+
+
+class ServiceTimes:
+    """One model's service time per batch size, accumulated per configuration from cumulative stats.
+
+    Feed `add(settings, stats, now)` once per tick with what was live over the interval that ends
+    at this sample and the model's `/v2/models/<m>/stats` (None if the scrape failed). Each
+    interval's per-size deltas go to that configuration's sums; an interval is dropped (and the
+    new sample becomes the baseline) when:
+
+    * the settings differ from the previous sample's (the interval straddles two
+      configurations) -> counted in `straddles`;
+    * any cumulative counter went down (the counters restarted) -> counted in `resets`;
+    * the previous sample is missing (failed scrape, no settings): a gap may hide a reload whose
+      counters have already grown past the old values.
+
+    So nothing negative is ever added. Memory is bounded: per configuration only two sums per
+    batch size (at most `max_sizes` sizes), at most `max_configs` configurations (the one fed
+    least recently is evicted), and one baseline sample.
+
+    Drift: when a configuration gets new data, its old sums are first multiplied by
+    0.5 ** (seconds since it last got data / `half_life_s`), so the curve follows a model whose
+    speed drifts (half the weight after 10 min of newer data by default). A configuration that
+    is not running keeps its last curve unchanged (it is still the best knowledge of it) until
+    it runs again. `half_life_s=None` keeps every execution at full weight (whole counts).
+
+    Example: samples at t=0 and t=1 with size 4 going from (100 executions, 1.2e9 ns) to
+    (150, 1.8e9 ns) under Settings(1, 4000) add 50 executions of 12.0 ms at b=4 to that
+    configuration; if the t=2 sample shows (3, 3.6e7 ns) (a full reload), nothing is added
+    and t=2 is the new baseline.
+    """
+
+    def __init__(self, min_executions: float = MIN_EXECUTIONS, half_life_s: float | None = HALF_LIFE_S,
+                 max_configs: int = MAX_CONFIGS, max_sizes: int = MAX_SIZES) -> None:
+        self.min_executions = min_executions
+        self.half_life_s = half_life_s
+        self.max_configs = max(1, max_configs)
+        self.max_sizes = max(1, max_sizes)
+        self.resets = 0
+        self.straddles = 0
+        # per configuration, in least-recently-fed-first order: size -> [executions, compute ns]
+        self._sums: dict[Settings, dict[int, list[float]]] = {}
+        self._fed_at: dict[Settings, float] = {}
+        self._baseline: tuple[Settings, StatsCounters] | None = None
+
+    # -- feeding ---------------------------------------------------------------------------
+    def add(self, settings: Settings | None, stats: StatsCounters | None, now: float) -> None:
+        """One tick: the model's cumulative statistics and the configuration live over the last interval."""
+        if settings is None or stats is None or not _is_time(now):
+            self._baseline = None
+            return
+        previous, self._baseline = self._baseline, (settings, stats)
+        if previous is None:
+            return
+        old_settings, old_stats = previous
+        if old_settings != settings:
+            self.straddles += 1
+            return
+        if counters_restarted(old_stats, stats):
+            self.resets += 1
+            return
+        deltas = batch_deltas(old_stats, stats)
+        if deltas:
+            self._accumulate(settings, deltas, now)
+
+    def _accumulate(self, settings: Settings, deltas: dict[int, tuple[int, int]], now: float) -> None:
+        sums = self._sums.pop(settings, None)
+        if sums is None:
+            while len(self._sums) >= self.max_configs:
+                evicted = next(iter(self._sums))
+                del self._sums[evicted], self._fed_at[evicted]
+            sums = {}
+        else:
+            self._decay(sums, now - self._fed_at[settings])
+        self._sums[settings] = sums           # why: re-inserted last, so the first key is the least recently fed
+        self._fed_at[settings] = now
+        for size, (executions, ns) in deltas.items():
+            if size not in sums:
+                if len(sums) >= self.max_sizes:
+                    continue                  # why: garbage stats with thousands of sizes must not grow memory
+                sums[size] = [0.0, 0.0]
+            sums[size][0] += executions
+            sums[size][1] += ns
+
+    def _decay(self, sums: dict[int, list[float]], elapsed_s: float) -> None:
+        if not self.half_life_s or self.half_life_s <= 0 or elapsed_s <= 0:
+            return
+        factor = 0.5 ** (elapsed_s / self.half_life_s)
+        for size in list(sums):
+            sums[size][0] *= factor
+            sums[size][1] *= factor
+            if sums[size][0] < MIN_WEIGHT:
+                del sums[size]
+
+    # -- reading ---------------------------------------------------------------------------
+    def configs(self) -> list[Settings]:
+        """The configurations with data, least recently fed first."""
+        return list(self._sums)
+
+    def points(self, settings: Settings) -> dict[int, tuple[float, float]]:
+        """Per batch size seen under `settings`: (executions, mean ms of compute per execution)."""
+        sums = self._sums.get(settings, {})
+        return {size: (n, ns / n / 1e6) for size, (n, ns) in sorted(sums.items()) if n > 0}
+
+    def executions(self, settings: Settings) -> float:
+        return sum(n for n, _ in self.points(settings).values())
+
+    def fit(self, settings: Settings) -> ServiceFit | None:
+        """The service curve of `settings`; None with fewer than `min_executions` executions seen."""
+        points = self.points(settings)
+        if sum(n for n, _ in points.values()) < self.min_executions:
+            return None
+        return fit_service(points)
+
+    def summary(self, settings: Settings) -> dict[str, Any]:
+        """For logs and status (JSON-ready). Example: {"alpha_ms": 6.171, "beta_ms": 1.634, "r2": 0.969,
+        "executions": 60, "sizes": [1, 2, 4]}; the three figures are None until there is a fit with a slope."""
+        fit = self.fit(settings)
+        if fit is not None:
+            return fit.summary()
+        points = self.points(settings)
+        return {"alpha_ms": None, "beta_ms": None, "r2": None,
+                "executions": round(sum(n for n, _ in points.values())), "sizes": sorted(points)}
+
+
+def _is_time(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+__all__ = ["ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas",
+           "MIN_EXECUTIONS", "HALF_LIFE_S"]

@@ -1,0 +1,366 @@
+"""Service time per batch size: the weighted fit (tables, guards, property), the accumulator (resets,
+configuration changes, bounds, decay), and one live run against sim_accel (known cost model)."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import start_server
+from controller.actuation import Actuator, TritonControl
+from controller.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync
+from controller.service import ServiceFit, ServiceTimes, batch_deltas, counters_restarted, fit_service
+from controller.signals import BatchStat, Scraper, StatsCounters, parse_stats
+from controller.types import Settings
+
+S1 = Settings(1, 4000)
+S2 = Settings(2, 4000)
+
+
+def _stats(rows: dict[int, tuple[int, int]], **scalars) -> StatsCounters:
+    """Cumulative stats whose size b has rows[b] = (executions, total compute ns), all charged to infer."""
+    return StatsCounters(batch_stats={b: BatchStat(n, 0, ns, 0) for b, (n, ns) in rows.items()}, **scalars)
+
+
+def _ms(n: int, ms: float) -> tuple[int, int]:
+    """(n executions, their total ns) at `ms` each."""
+    return n, int(round(n * ms * 1e6))
+
+
+# =====================================================================================
+# fit_service
+# =====================================================================================
+
+@pytest.mark.parametrize(
+    "points, alpha, beta, r2",
+    [
+        pytest.param({1: (100, 7.5), 2: (50, 9.0), 4: (10, 12.0)}, 6.0, 1.5, 1.0, id="exact-line"),
+        pytest.param({1: (30, 8.0), 2: (20, 9.0), 4: (10, 13.0)}, 6.171, 1.634, 0.969, id="docstring-example"),
+        pytest.param({1: (10, 5.0), 2: (10, 4.0)}, 4.5, 0.0, 0.0, id="falling-slope-is-flat"),
+        pytest.param({2: (10, 2.0), 4: (10, 6.0)}, 0.0, 1.4, 0.9, id="negative-alpha-through-origin"),
+        pytest.param({1: (5, 3.0), 3: (5, 3.0)}, 3.0, 0.0, 1.0, id="equal-means-flat-exact"),
+        # two odd executions at b=4 barely move a line that 2,000 executions hold (unweighted: 8.0 + 0.07 b)
+        pytest.param({1: (1000, 7.5), 2: (1000, 9.0), 4: (2, 8.0)}, 6.055, 1.461, 0.972, id="weights-are-executions"),
+    ],
+)
+def test_fit_table(points, alpha, beta, r2):
+    fit = fit_service(points)
+    assert fit.alpha_ms == pytest.approx(alpha, abs=0.02)
+    assert fit.beta_ms == pytest.approx(beta, abs=0.02)
+    assert fit.r2 == pytest.approx(r2, abs=0.01)
+    assert fit.executions == sum(n for n, _ in points.values())
+    assert fit.batch_sizes == {b: (float(n), float(m)) for b, (n, m) in points.items()}
+
+
+def test_exact_line_predicts_itself():
+    fit = fit_service({1: (100, 7.5), 2: (50, 9.0), 4: (10, 12.0)})
+    assert [fit.predict_ms(b) for b in (1, 4, 8)] == pytest.approx([7.5, 12.0, 18.0])
+    assert fit.predict_ms(-3) == pytest.approx(6.0)   # below 0 counts as 0: the fixed cost
+
+
+def test_one_size_has_no_slope_and_predicts_a_bound():
+    fit = fit_service({2: (40, 9.0)})
+    assert (fit.alpha_ms, fit.beta_ms, fit.r2, fit.executions) == (None, None, None, 40)
+    assert fit.predict_ms(2) == 9.0
+    assert fit.predict_ms(1) == 9.0     # a smaller batch costs no more
+    assert fit.predict_ms(4) == 18.0    # a larger one at most proportionally more: no promised saving
+
+
+def test_noisy_executions_recover_the_line():
+    rng = np.random.default_rng(3)
+    points = {}
+    for b, n in {1: 400, 2: 250, 3: 120, 5: 60, 8: 30}.items():
+        samples = 6.0 + 1.5 * b + rng.gamma(2.0, 0.5, size=n) - 1.0   # skewed noise, mean 0
+        points[b] = (n, float(samples.mean()))
+    fit = fit_service(points)
+    assert fit.alpha_ms == pytest.approx(6.0, abs=0.3)
+    assert fit.beta_ms == pytest.approx(1.5, abs=0.1)
+    assert fit.r2 > 0.98
+
+
+def test_real_sim_accel_rows_fit_its_cost_model():
+    # batch_stats rows of sim_accel captured from tritonserver 2.51 (1 instance, delay 4000 us, 150 req/s for 3 s).
+    answer = {"model_stats": [{"name": "sim_accel", "version": "1", "inference_count": 451, "execution_count": 258,
+                               "batch_stats": [
+        {"batch_size": 1, "compute_input": {"count": 128, "ns": 5314202}, "compute_infer": {"count": 128, "ns": 1079133262},
+         "compute_output": {"count": 128, "ns": 15855916}},
+        {"batch_size": 2, "compute_input": {"count": 85, "ns": 4350377}, "compute_infer": {"count": 85, "ns": 831398426},
+         "compute_output": {"count": 85, "ns": 14632309}},
+        {"batch_size": 3, "compute_input": {"count": 31, "ns": 2218425}, "compute_infer": {"count": 31, "ns": 351724275},
+         "compute_output": {"count": 31, "ns": 6505906}},
+        {"batch_size": 4, "compute_input": {"count": 11, "ns": 794035}, "compute_infer": {"count": 11, "ns": 141545361},
+         "compute_output": {"count": 11, "ns": 2662786}},
+        {"batch_size": 5, "compute_input": {"count": 2, "ns": 163384}, "compute_infer": {"count": 2, "ns": 28948658},
+         "compute_output": {"count": 2, "ns": 1020291}},
+        {"batch_size": 6, "compute_input": {"count": 1, "ns": 82437}, "compute_infer": {"count": 1, "ns": 16066222},
+         "compute_output": {"count": 1, "ns": 375813}}]}]}
+    times = ServiceTimes()
+    times.add(S1, _stats({}), 0.0)                      # before any traffic: no rows
+    times.add(S1, parse_stats(answer)["sim_accel"], 3.0)
+    fit = times.fit(S1)
+    assert fit.executions == 258
+    assert fit.batch_sizes[2][1] == pytest.approx((4350377 + 831398426 + 14632309) / 85 / 1e6)   # 10.0 ms
+    # config.pbtxt: 4 + 1.0 b on the host, 2 + 0.5 b on the device -> 6 + 1.5 b; the Python stub adds ~1 ms
+    assert 6.0 <= fit.alpha_ms <= 8.0 and fit.beta_ms == pytest.approx(1.5, abs=0.15)
+    assert fit.r2 > 0.95
+
+
+@pytest.mark.parametrize(
+    "points",
+    [
+        pytest.param({}, id="empty"),
+        pytest.param(None, id="not-a-mapping"),
+        pytest.param([(1, (5, 2.0))], id="a-list"),
+        pytest.param({0: (5, 1.0), -1: (5, 1.0), True: (5, 1.0), "2": (5, 1.0)}, id="bad-sizes"),
+        pytest.param({1: (0, 1.0), 2: (-4, 1.0), 3: (5, math.nan), 4: (5, -1.0), 5: (math.inf, 1.0), 6: (5,),
+                      7: "x", 8: (True, 1.0)}, id="bad-points"),
+    ],
+)
+def test_no_usable_point_is_no_fit(points):
+    assert fit_service(points) is None
+
+
+def test_bad_points_are_ignored_next_to_good_ones():
+    fit = fit_service({0: (5, 99.0), 1: (10, 7.5), 2: (10, 9.0), 3: (0, 99.0), 4: (5, math.nan)})
+    assert (fit.alpha_ms, fit.beta_ms) == (pytest.approx(6.0), pytest.approx(1.5))
+    assert set(fit.batch_sizes) == {1, 2}
+
+
+_points = st.dictionaries(
+    st.integers(-2, 40) | st.just(True),
+    st.tuples(st.floats(-10, 1e6) | st.integers(-3, 10**6) | st.just(math.nan),
+              st.floats(-5, 1e5, allow_infinity=False) | st.floats(allow_nan=True, allow_infinity=True)),
+    max_size=10,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_points, st.floats(1, 1e4))
+def test_fit_never_raises_and_never_predicts_negative(points, b):
+    fit = fit_service(points)
+    if fit is None:
+        return
+    assert isinstance(fit, ServiceFit) and fit.executions > 0 and fit.batch_sizes
+    for size in (1, 2, b, *fit.batch_sizes):
+        assert fit.predict_ms(size) >= 0
+    assert (fit.alpha_ms is None) == (fit.beta_ms is None) == (fit.r2 is None) == (len(fit.batch_sizes) == 1)
+    if fit.r2 is not None:
+        assert fit.alpha_ms >= 0 and fit.beta_ms >= 0 and 0.0 <= fit.r2 <= 1.0
+
+
+# =====================================================================================
+# ServiceTimes
+# =====================================================================================
+
+def test_deltas_between_two_samples_become_per_size_means():
+    times = ServiceTimes(min_executions=20, half_life_s=None)
+    times.add(S1, _stats({1: _ms(100, 7.5)}), 0.0)
+    times.add(S1, _stats({1: _ms(110, 7.5), 2: _ms(5, 9.0)}), 1.0)
+    assert times.points(S1) == {1: (10, pytest.approx(7.5)), 2: (5, pytest.approx(9.0))}
+    assert times.fit(S1) is None                                       # 15 executions < 20
+    times.add(S1, _stats({1: _ms(110, 7.5), 2: _ms(5, 9.0), 4: _ms(10, 12.0)}), 2.0)
+    fit = times.fit(S1)
+    assert (fit.alpha_ms, fit.beta_ms, fit.executions) == (pytest.approx(6.0), pytest.approx(1.5), 25)
+    summary = times.summary(S1)
+    assert summary == {"alpha_ms": 6.0, "beta_ms": 1.5, "r2": 1.0, "executions": 25, "sizes": [1, 2, 4]}
+    assert json.loads(json.dumps(summary)) == summary
+    assert times.summary(S2) == {"alpha_ms": None, "beta_ms": None, "r2": None, "executions": 0, "sizes": []}
+
+
+def test_input_infer_and_output_times_all_count():
+    before = StatsCounters(batch_stats={2: BatchStat(10, 1_000_000, 80_000_000, 9_000_000)})
+    after = StatsCounters(batch_stats={2: BatchStat(20, 2_000_000, 160_000_000, 18_000_000)})
+    assert batch_deltas(before, after) == {2: (10, 90_000_000)}   # 9.0 ms per execution
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        pytest.param(_stats({}), id="rows-vanished"),
+        pytest.param(_stats({1: _ms(3, 7.5)}), id="all-restarted-small"),
+        pytest.param(_stats({1: _ms(60, 7.5), 2: (25, 10)}), id="one-size-ns-down"),
+        pytest.param(_stats({1: _ms(60, 7.5), 2: _ms(25, 9.0)}, execution_count=10), id="scalar-down"),
+    ],
+)
+def test_counter_restart_adds_nothing_and_becomes_the_baseline(after):
+    times = ServiceTimes(min_executions=1, half_life_s=None)
+    before = _stats({1: _ms(50, 7.5), 2: _ms(20, 9.0)}, execution_count=70)
+    assert counters_restarted(before, after) and not counters_restarted(before, before)
+    times.add(S1, before, 0.0)
+    times.add(S1, after, 1.0)
+    assert times.resets == 1 and times.points(S1) == {}
+    rows = {b: (s.executions + 10, s.compute_ns + 10 * 12_000_000) for b, s in after.batch_stats.items()}
+    times.add(S1, _stats(rows | {4: _ms(10, 12.0)}), 2.0)   # the next interval counts from the restarted values
+    points = times.points(S1)
+    assert points and all(n > 0 and ms > 0 for n, ms in points.values())
+    assert points[4] == (10, pytest.approx(12.0))
+
+
+def test_settings_change_drops_the_straddling_interval():
+    times = ServiceTimes(min_executions=1, half_life_s=None)
+    times.add(S1, _stats({1: _ms(10, 7.5)}), 0.0)
+    times.add(S1, _stats({1: _ms(20, 7.5)}), 1.0)                     # S1: 10 at b=1
+    times.add(S2, _stats({1: _ms(20, 7.5), 8: _ms(7, 30.0)}), 2.0)    # straddles: the b=8 executions go nowhere
+    times.add(S2, _stats({1: _ms(20, 7.5), 8: _ms(7, 30.0), 2: _ms(4, 11.0)}), 3.0)   # S2: 4 at b=2
+    assert times.points(S1) == {1: (10, pytest.approx(7.5))}
+    assert times.points(S2) == {2: (4, pytest.approx(11.0))}
+    assert times.straddles == 1 and times.resets == 0
+    assert times.configs() == [S1, S2]
+
+
+def test_a_failed_scrape_breaks_the_chain():
+    times = ServiceTimes(min_executions=1, half_life_s=None)
+    times.add(S1, _stats({1: _ms(10, 7.5)}), 0.0)
+    times.add(S1, None, 1.0)                                     # gap: a reload may hide in it
+    times.add(S1, _stats({1: _ms(40, 7.5)}), 2.0)
+    assert times.points(S1) == {}
+    times.add(None, _stats({1: _ms(50, 7.5)}), 3.0)              # no known settings: a gap too
+    times.add(S1, _stats({1: _ms(60, 7.5)}), 4.0)
+    times.add(S1, _stats({1: _ms(62, 7.5)}), math.nan)           # no usable time: a gap too
+    assert times.points(S1) == {}
+    times.add(S1, _stats({1: _ms(65, 7.5)}), 5.0)                # a new baseline
+    assert times.points(S1) == {}
+    times.add(S1, _stats({1: _ms(68, 7.5)}), 6.0)
+    assert times.points(S1) == {1: (3, pytest.approx(7.5))}
+
+
+def test_state_stays_bounded():
+    times = ServiceTimes(min_executions=1, max_configs=3, max_sizes=8, half_life_s=None)
+    for i in range(10):
+        settings_i = Settings(1 + i, 0)
+        times.add(settings_i, _stats({}), 2.0 * i)
+        times.add(settings_i, _stats({b: _ms(1, 1.0 + b) for b in range(1, 1 + 500)}), 2.0 * i + 1)
+    assert times.configs() == [Settings(8, 0), Settings(9, 0), Settings(10, 0)]   # the least recently fed evicted
+    assert all(len(times.points(s)) == 8 for s in times.configs())
+    assert len(times._sums) == 3 and all(len(sums) <= 8 for sums in times._sums.values())
+
+
+def test_decay_follows_drift_and_a_config_not_running_keeps_its_curve():
+    times = ServiceTimes(min_executions=1, half_life_s=10.0)
+    times.add(S1, _stats({1: _ms(0, 10.0)}), 0.0)
+    times.add(S1, _stats({1: _ms(10, 10.0)}), 1.0)
+    times.add(S2, _stats({1: _ms(10, 10.0)}), 2.0)              # S2 runs meanwhile: S1 untouched
+    times.add(S2, _stats({1: _ms(20, 10.0)}), 3.0)
+    times.add(S2, _stats({1: _ms(30, 10.0)}), 30.0)
+    assert times.points(S1) == {1: (10, pytest.approx(10.0))}  # not running: not decayed
+    times.add(S1, _stats({1: _ms(30, 10.0)}), 31.0)
+    slower = _stats({1: (40, 30 * 10_000_000 + 10 * 20_000_000)})   # 10 new executions at 20 ms
+    times.add(S1, slower, 41.0)
+    # S1 last got data at t=1; 40 s = 4 half-lives: the old 10 weigh 10/16 = 0.625
+    # -> (0.625 * 10 + 10 * 20) / 10.625 = 19.41 ms
+    n, ms = times.points(S1)[1]
+    assert n == pytest.approx(10.625) and ms == pytest.approx(19.41, abs=0.01)
+
+    kept = ServiceTimes(min_executions=1, half_life_s=None)
+    for sample, t in ((_stats({1: _ms(0, 10.0)}), 0.0), (_stats({1: _ms(10, 10.0)}), 1.0),
+                      (_stats({1: _ms(30, 10.0)}), 31.0), (slower, 41.0)):
+        kept.add(S1, sample, t)
+    # no decay: whole counts, plain mean (the 20 executions between t=1 and t=31 count here)
+    assert kept.points(S1)[1] == (40, pytest.approx((10 * 10 + 20 * 10 + 10 * 20) / 40))
+
+
+_rows = st.dictionaries(st.integers(0, 12), st.tuples(st.integers(0, 10**6), st.integers(0, 10**12)), max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([S1, S2, None]), st.none() | _rows,
+                          st.none() | st.integers(0, 10**6), st.floats(0, 1e4)), max_size=12))
+def test_any_sequence_of_samples_never_raises_nor_adds_negative(steps):
+    times = ServiceTimes(min_executions=1, max_configs=2, max_sizes=4)
+    for settings_i, rows, exec_count, now in steps:
+        times.add(settings_i, None if rows is None else _stats(rows, execution_count=exec_count), now)
+    assert len(times.configs()) <= 2
+    for s in (S1, S2):
+        for n, ms in times.points(s).values():
+            assert n > 0 and ms >= 0
+        fit = times.fit(s)
+        assert fit is None or all(fit.predict_ms(b) >= 0 for b in (1, 4, 32))
+        json.dumps(times.summary(s))
+
+
+# =====================================================================================
+# Live: sim_accel on a real tritonserver
+# =====================================================================================
+
+@pytest.mark.slow
+def test_live_sim_accel_service_curve_and_full_reload_restarts_the_counters():
+    model, first, second = "sim_accel", Settings(1, 4000), Settings(1, 2000)
+    server = start_server([model])
+    stop = threading.Event()
+    poller = None
+    try:
+        act = Actuator(TritonControl(server.grpc_url, server.http_url))
+        assert act.apply(model, first).ok
+        scraper = Scraper(server.metrics_url, server.http_url)
+        times = ServiceTimes(half_life_s=None)
+        blind = ServiceTimes(half_life_s=None)   # told `first` throughout: only the restart rule protects it
+        live = {"settings": first}
+        polls = [0]
+
+        def poll() -> None:
+            while not stop.is_set():
+                every = scraper.all_stats()
+                stats, now = (None if every is None else every.get(model)), time.monotonic()
+                times.add(live["settings"], stats, now)
+                blind.add(first, stats, now)
+                polls[0] += 1
+                stop.wait(0.5)
+
+        def wait_polls(k: int) -> None:
+            target = polls[0] + k
+            while polls[0] < target:
+                time.sleep(0.05)
+
+        def load(phases: list[dict]) -> None:
+            trace = load_trace({"phases": phases})
+            schedule = poisson_schedule(trace, seed=11, max_requests=10_000)
+            results = run_open_loop_sync(server.grpc_url, model, schedule, make_inputs_from_config(server.http_url, model),
+                                         timeout_s=10.0)
+            assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        wait_polls(1)
+        # Two rates, 4 ms of queue delay: batches of 1-2 at the low rate, 3-6 once the single instance queues.
+        load([{"name": "low", "duration_s": 5, "rate_rps": 60}, {"name": "high", "duration_s": 7, "rate_rps": 220}])
+        wait_polls(2)   # every execution of the run is in the sums
+        fit = times.fit(first)
+        assert fit is not None and fit.beta_ms is not None and len(fit.batch_sizes) >= 3, times.summary(first)
+        print("live fit", first, times.summary(first))
+        # config.pbtxt: (4 + 1.0 b) host + (2 + 0.5 b) device = 6 + 1.5 b ms; generous on 2 shared cores
+        assert 6.0 * 0.6 <= fit.alpha_ms <= 6.0 * 1.4, times.summary(first)
+        assert 1.5 * 0.6 <= fit.beta_ms <= 1.5 * 1.4, times.summary(first)
+        executions_first = times.executions(first)
+
+        before = scraper.stats(model)
+        result = act.apply(model, second)     # a delay change: a full reload
+        assert result.ok and result.kind == "full_reload"
+        after = scraper.stats(model)
+        assert after.execution_count < before.execution_count            # the counters restarted
+        assert sum(b.executions for b in after.batch_stats.values()) < sum(b.executions for b in before.batch_stats.values())
+        live["settings"] = second
+        wait_polls(1)
+        load([{"name": "second", "duration_s": 4, "rate_rps": 150}])
+        wait_polls(2)
+        stop.set()
+        poller.join()
+
+        assert times.executions(first) == executions_first                # nothing after the reload leaked into it
+        assert times.fit(second) is not None and times.executions(second) >= 20, times.summary(second)
+        assert set(times.configs()) == {first, second}
+        assert blind.resets >= 1                                           # the restart was seen, not added
+        assert blind.executions(first) >= executions_first + times.executions(second)
+        for t, s in ((times, first), (times, second), (blind, first)):
+            assert all(n > 0 and ms > 0 for n, ms in t.points(s).values())
+        print("live fit", second, times.summary(second), "blind", blind.summary(first), "resets", blind.resets)
+    finally:
+        stop.set()
+        if poller is not None:
+            poller.join()
+        server.stop()
