@@ -1,15 +1,15 @@
 """Arbitration between models that share one device and one memory budget (pure, like policy.py).
 
 Each model first gets its own decision from `policy.decide`. A model that wants another instance
-but is held by the memory budget (`HoldMemoryCap`) is *hot*. The arbiter then looks for a *donor*
+but is held by the memory budget (`decision.held_by is Cap.MEMORY`) is *hot*. The arbiter then looks for a *donor*
 on the same device and, if it finds one, overrides the donor's decision with "give back one
 instance" — one move per tick, so the budget is never exceeded: the donor's instance is gone
 before the hot model's next tick sees the freed memory and adds its own (in place, so no double
 memory; a full reload is only allowed by `policy.full_reload_fits`, which counts old + new).
 
 Who donates, in order:
-1. an idle model (not pressured; one instance fewer keeps it under LOW_BUSY_AFTER), lowest priority
-   first: `RebalanceToHotModel`;
+1. an idle model (the policy's own low-load rule, `policy.is_low`: one instance fewer would still be
+   comfortably enough), lowest priority first: `RebalanceToHotModel`;
 2. failing that, a model of *lower priority* than the hot one even if it is busy: its SLA is given up
    for the higher-priority model's, and the reason says so: `RebalanceToHigherPriority`.
 A model never goes below its `min_instances`, and equal priorities never take from a busy model.
@@ -20,8 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from .config import ModelLimits
-from .policy import LOW_BUSY_AFTER, pressured
-from .types import Decision, Observation, Settings
+from .policy import is_low
+from .types import Cap, Decision, Observation, Settings
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,8 @@ def _pressure(v: ModelView) -> float:
 
 
 def _idle_enough(v: ModelView) -> bool:
-    """One instance fewer would still leave this model comfortable (see policy.is_low, without p99)."""
-    n = v.current.instance_count
-    if not v.obs.valid or n <= v.limits.min_instances or pressured(v.obs, v.limits):
-        return False
-    return v.obs.busy_fraction * n / (n - 1) <= LOW_BUSY_AFTER and v.obs.pending_mean < 1.0
+    """One instance fewer would still leave this model comfortable: the policy's own rule."""
+    return v.obs.valid and is_low(v.obs, v.current, v.limits)
 
 
 def _can_give(v: ModelView) -> bool:
@@ -57,7 +54,7 @@ def _can_give(v: ModelView) -> bool:
 
 def arbitrate(views: list[ModelView]) -> dict[str, Decision]:
     """Overrides for this tick's decisions: {model: decision}. Empty when nobody is blocked by memory."""
-    hot = [v for v in views if v.decision.valid and v.decision.reason == "HoldMemoryCap"]
+    hot = [v for v in views if v.decision.valid and v.decision.held_by is Cap.MEMORY]
     if not hot:
         return {}
     # The most important blocked model first; among equals, the one deepest into its target.

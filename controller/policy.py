@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from .config import LoopConfig, ModelLimits
-from .types import Decision, Observation, Settings
+from .types import Cap, Decision, Observation, Settings
 
 # Thresholds, as fractions of the p99 target or of capacity. Named so the tests can speak of them.
 PRESSURE_P99_FRACTION = 0.8      # p99 above 80% of the target with queueing -> add capacity
@@ -98,6 +98,25 @@ def restarted_state(old: PolicyState, now: float) -> PolicyState:
     """After a server restart or an outside change: hold one full window again, but keep what was
     measured about the model itself (what each setting achieved, bytes per instance)."""
     return PolicyState(started_at=now, perf=old.perf, instance_memory_bytes=old.instance_memory_bytes)
+
+
+def with_warm_start(state: PolicyState, points: tuple[PerfPoint, ...]) -> PolicyState:
+    """Seed the memory of what each setting achieved (from a sweep), newest last, bounded."""
+    return dataclasses.replace(state, perf=(state.perf + tuple(points))[-PERF_MEMORY:])
+
+
+def with_reported_instance_memory(state: PolicyState, bytes_per_instance: float | None) -> PolicyState:
+    """Bytes per instance as the device reports them (the simulated device does); kept only while
+    nothing was learned yet, since a real GPU's figure is learned from step deltas instead."""
+    if state.instance_memory_bytes is not None or not bytes_per_instance or bytes_per_instance <= 0:
+        return state
+    return dataclasses.replace(state, instance_memory_bytes=bytes_per_instance)
+
+
+def record_dry_run(state: PolicyState, now: float) -> PolicyState:
+    """A change decided but not applied (dry run): pretend it settled, so the log shows a realistic
+    cadence rather than the same change every tick."""
+    return dataclasses.replace(state, last_change_at=now)
 
 
 def _hold(current: Settings, reason: str, detail: str = "", valid: bool = True) -> Decision:
@@ -231,18 +250,18 @@ def review_step(obs: Observation, current: Settings, state: PolicyState, limits:
 
 # ---- stage 4: instances ---------------------------------------------------------------------------
 
-def instance_ceiling(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation, now: float) -> tuple[int, str]:
-    """The most instances allowed now and what sets it."""
-    caps = [(limits.max_instances, "HoldAtMax")]
+def instance_ceiling(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation, now: float) -> tuple[int, Cap]:
+    """The most instances allowed now and which ceiling sets it (the first listed wins a tie)."""
+    caps = [(limits.max_instances, Cap.MAX)]
     if state.learned_max_instances is not None and now < state.learned_max_until:
-        caps.append((state.learned_max_instances, "HoldLearnedMax"))
+        caps.append((state.learned_max_instances, Cap.LEARNED_MAX))
     if state.saturated_at is not None and now < state.saturated_until:
-        caps.append((state.saturated_at, "HoldSaturated"))
+        caps.append((state.saturated_at, Cap.SATURATED))
     mem = memory_cap(current, limits, state, obs)
     if mem is not None:
-        caps.append((mem, "HoldMemoryCap"))
-    value, reason = min(caps, key=lambda c: c[0])
-    return max(value, limits.min_instances), reason
+        caps.append((mem, Cap.MEMORY))
+    value, cap = min(caps, key=lambda c: c[0])
+    return max(value, limits.min_instances), cap
 
 
 def known_good_count(state: PolicyState, current: Settings, arrival_rps: float, limits: ModelLimits) -> int | None:
@@ -285,30 +304,41 @@ def known_good_fewer(state: PolicyState, current: Settings, obs: Observation, li
                for p in state.perf)
 
 
+@dataclass(frozen=True)
+class InstanceOutcome:
+    """What the instance stage concluded: a change, or why the count stays (and which cap holds it)."""
+
+    change: Decision | None = None
+    hold_reason: str = "HoldSteady"
+    held_by: Cap | None = None
+
+
 def decide_instances(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits,
-                     now: float) -> tuple[PolicyState, Decision | None, str]:
-    """An instance change, or None with the reason the count stays."""
+                     now: float) -> tuple[PolicyState, InstanceOutcome]:
+    """An instance change, or none with the reason the count stays."""
     n = current.instance_count
-    ceiling, cap_reason = instance_ceiling(current, limits, state, obs, now)
+    ceiling, cap = instance_ceiling(current, limits, state, obs, now)
     if n > ceiling:
-        return state, Decision(dataclasses.replace(current, instance_count=ceiling), "ScaleDownToCap",
-                               detail=f"{cap_reason[4:]} allows {ceiling}"), cap_reason
+        return state, InstanceOutcome(Decision(dataclasses.replace(current, instance_count=ceiling), "ScaleDownToCap",
+                                               detail=f"{cap.hold_reason[4:]} allows {ceiling}"))
     if n < limits.min_instances:
-        return state, Decision(dataclasses.replace(current, instance_count=limits.min_instances), "ScaleUpToMin"), ""
+        return state, InstanceOutcome(Decision(dataclasses.replace(current, instance_count=limits.min_instances),
+                                               "ScaleUpToMin"))
     if pressured(obs, limits):
         state = dataclasses.replace(state, low_since=None)
         if n >= ceiling:
-            return state, None, cap_reason
+            return state, InstanceOutcome(hold_reason=cap.hold_reason, held_by=cap)
         if now - state.last_change_at < limits.scale_up_cooldown_s:
-            return state, None, "HoldCooldown"
+            return state, InstanceOutcome(hold_reason="HoldCooldown")
         known = known_good_count(state, current, obs.arrival_rps, limits)
         if known is not None and known > n + 1:
             target, reason = min(known, ceiling), "ScaleUpKnownGood"
         else:
             target, reason = n + 1, "ScaleUpQueueGrowing"
-        return state, Decision(dataclasses.replace(current, instance_count=target), reason,
-                               detail=f"p99 {_fmt(obs.p99_ms)} ms, queue {obs.queue_ms_per_request:.1f} ms, "
-                                      f"busy {obs.busy_fraction:.0%}, {obs.arrival_rps:.0f} req/s"), ""
+        return state, InstanceOutcome(Decision(
+            dataclasses.replace(current, instance_count=target), reason,
+            detail=f"p99 {_fmt(obs.p99_ms)} ms ({obs.p99_source}), queue {obs.queue_ms_per_request:.1f} ms, "
+                   f"busy {obs.busy_fraction:.0%}, {obs.arrival_rps:.0f} req/s"))
     low, known = is_low(obs, current, limits), known_good_fewer(state, current, obs, limits)
     if low or known:
         low_since = state.low_since if state.low_since is not None else now
@@ -317,10 +347,10 @@ def decide_instances(obs: Observation, current: Settings, state: PolicyState, li
             reason = "ScaleDownIdle" if low else "ScaleDownKnownGood"
             why = (f"busy {obs.busy_fraction:.0%}" if low else
                    f"{n - 1} instance(s) met the target at >= {1.1 * obs.arrival_rps:.0f} req/s before")
-            return state, Decision(dataclasses.replace(current, instance_count=n - 1), reason,
-                                   detail=f"{why}; low for {now - low_since:.0f} s"), ""
-        return state, None, "HoldLowLoadPending"
-    return dataclasses.replace(state, low_since=None), None, "HoldSteady"
+            return state, InstanceOutcome(Decision(dataclasses.replace(current, instance_count=n - 1), reason,
+                                                   detail=f"{why}; low for {now - low_since:.0f} s"))
+        return state, InstanceOutcome(hold_reason="HoldLowLoadPending")
+    return dataclasses.replace(state, low_since=None), InstanceOutcome()
 
 
 # ---- stage 5: batching delay ----------------------------------------------------------------------
@@ -376,17 +406,18 @@ def decide(obs: Observation, current: Settings, state: PolicyState, limits: Mode
     state, back = review_step(obs, current, state, limits, now)
     if back is not None:
         return back, state
-    state, change, why = decide_instances(obs, current, state, limits, now)
-    if change is not None:
-        return change, state
-    ceiling_reached = why in ("HoldAtMax", "HoldLearnedMax", "HoldSaturated", "HoldMemoryCap")
-    delay = decide_delay(obs, current, state, limits, now, ceiling_reached, max_batch_size)
+    state, outcome = decide_instances(obs, current, state, limits, now)
+    if outcome.change is not None:
+        return outcome.change, state
+    delay = decide_delay(obs, current, state, limits, now, outcome.held_by is not None, max_batch_size)
     if delay is not None:
         if delay.reason == "DelayDecreaseNearTarget":
             state = dataclasses.replace(state, delay_cap_us=delay.target.max_queue_delay_us,
                                         delay_cap_until=now + SATURATION_MEMORY_S)
         return delay, state
-    return _hold(current, why or "HoldSteady", f"p99 {_fmt(obs.p99_ms)} ms, busy {obs.busy_fraction:.0%}"), state
+    return Decision(current, outcome.hold_reason, detail=f"p99 {_fmt(obs.p99_ms)} ms ({obs.p99_source}), "
+                                                        f"busy {obs.busy_fraction:.0%}",
+                    held_by=outcome.held_by), state
 
 
 def record_applied(state: PolicyState, decision: Decision, before: Settings, obs: Observation, now: float) -> PolicyState:

@@ -6,7 +6,7 @@ import pytest
 from controller import policy
 from controller.arbiter import ModelView, arbitrate
 from controller.config import LoopConfig, ModelLimits
-from controller.types import Decision, GpuObservation, Observation, Settings
+from controller.types import Cap, Decision, GpuObservation, Observation, Settings
 
 MiB = 2**20
 
@@ -28,7 +28,8 @@ BUSY = obs(busy=0.9, p99=85.0, queue=6.0, pending=3.0, arrival=300.0)
 
 def view(name, n, o, reason="HoldSteady", priority=0, min_instances=1, target=None) -> ModelView:
     lim = ModelLimits(p99_target_ms=100.0, priority=priority, min_instances=min_instances)
-    return ModelView(name, S(n), Decision(target or S(n), reason), o, lim, 64 * MiB)
+    held_by = Cap.MEMORY if reason == "HoldMemoryCap" else None
+    return ModelView(name, S(n), Decision(target or S(n), reason, held_by=held_by), o, lim, 64 * MiB)
 
 
 @pytest.mark.parametrize("views,expected", [
