@@ -16,6 +16,7 @@ Every default lives in the dataclasses below (this is the one place). A YAML fil
       decision_log: decisions.jsonl
       metrics_port: 9109              # 0: no Prometheus endpoint
       gpu: auto                       # auto | nvml | simulated | none
+      tracing: true                   # p99 from sampled request traces (needs the server's trace file)
     defaults:                         # apply to every model unless overridden below
       p99_target_ms: 100
     models:
@@ -72,6 +73,10 @@ class LoopConfig:
     reload_timeout_s: float = 120.0
     failure_backoff_s: float = 30.0     # first wait after a failed reload; doubles each time
     warm_start: str | None = None       # a `sweep.json`: its cells seed the model's memory of what works
+    tracing: bool = True                # p99 from sampled request traces when the server has a trace file
+    trace_file: str | None = None       # where the server's trace file is visible from here; None: ask the server
+    trace_samples_per_s: float = 20.0   # sampled requests per second and model the trace rate aims at
+    observation_log: str | None = None  # JSONL: every tick's observation per model (benchmarks); None: none
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ _FLOAT_RANGES = {
     "memory_budget_mb": (1.0, 10_000_000.0), "memory_headroom_pct": (0.0, 90.0), "min_gain_pct": (0.0, 100.0),
     "interval_s": (0.1, 600.0), "window_s": (1.0, 3600.0), "settle_s": (0.0, 600.0), "min_span_s": (0.5, 600.0),
     "simulated_device_memory_mb": (1.0, 10_000_000.0), "reload_timeout_s": (1.0, 3600.0),
-    "failure_backoff_s": (0.0, 3600.0), "timeout_s": (0.1, 600.0),
+    "failure_backoff_s": (0.0, 3600.0), "timeout_s": (0.1, 600.0), "trace_samples_per_s": (0.1, 100_000.0),
 }
 _CHOICES = {"gpu": ("auto", "nvml", "simulated", "none"), "control_protocol": ("grpc", "http")}
 

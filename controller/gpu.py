@@ -7,6 +7,8 @@ devices to report, or `None` when a read failed ("no data"). It never raises.
   `GpuUnavailable` when the library or the driver is missing.
 * `NullSource`: always `()` (CPU-only machines).
 * `FakeGpuSource`: a scripted sequence for tests.
+* `SimulatedDeviceSource`: the SIMULATED device of the `sim_accel` model (machines without a GPU),
+  fed each tick with the scraped model metrics.
 * `open_gpu_source(mode)`: picks one ("auto" falls back to `NullSource` with one info line).
 """
 from __future__ import annotations
@@ -61,6 +63,39 @@ class FakeGpuSource:
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+SIM_MEMORY_METRIC = "sim_device_memory_bytes"
+
+
+class SimulatedDeviceSource:
+    """The SIMULATED device of `sim_accel`-style models, as a `GpuSource`.
+
+    Its memory in use is what the models' instances report in `sim_device_memory_bytes` (each
+    instance holds its buffer); its size is configured. `feed()` gives it each tick's scrape
+    (`{model: counters with a .custom dict}`, or None when the scrape failed). Only models that
+    report simulated memory live on it (`hosts`). Example: two models reporting 128 MiB and 64 MiB
+    on a 2048 MiB device read as one device with 192 MiB used of 2048 MiB.
+    """
+
+    def __init__(self, total_mb: float) -> None:
+        self.total_bytes = int(total_mb * 2**20)
+        self._scraped: Any = None
+
+    def feed(self, scraped: Any) -> None:
+        self._scraped = scraped
+
+    def hosts(self, counters: Any) -> bool:
+        return counters is not None and SIM_MEMORY_METRIC in getattr(counters, "custom", {})
+
+    def read(self) -> tuple[GpuObservation, ...] | None:
+        if self._scraped is None:
+            return None
+        used = [c.custom[SIM_MEMORY_METRIC] for c in self._scraped.values() if self.hosts(c)]
+        if not used:
+            return ()
+        return (GpuObservation(index=0, utilization_pct=None, memory_used_bytes=int(sum(used)),
+                               memory_total_bytes=self.total_bytes),)
 
 
 def _import_pynvml() -> ModuleType:
@@ -173,4 +208,5 @@ def open_gpu_source(mode: str = "auto") -> GpuSource:
     raise ValueError(f"gpu mode must be one of 'auto', 'nvml', 'none'; got {mode!r}")
 
 
-__all__ = ["GpuSource", "GpuUnavailable", "NvmlSource", "NullSource", "FakeGpuSource", "open_gpu_source"]
+__all__ = ["GpuSource", "GpuUnavailable", "NvmlSource", "NullSource", "FakeGpuSource", "SimulatedDeviceSource",
+           "SIM_MEMORY_METRIC", "open_gpu_source"]

@@ -1,18 +1,20 @@
-"""The control loop: scrape -> observe -> decide -> apply, once per `interval_s`, per model.
+"""The control loop: orchestration only (scrape -> observe -> decide -> arbitrate -> act), per tick.
 
 One `Controller` manages the models named in its config (or every READY model). Each tick:
 
-1. scrape `/metrics` once, read the devices (NVML, the simulated device, or nothing);
-2. per model: read the live config (a server restart or someone else's change is adopted, and
-   the policy then holds one full window), add the sample to the model's window and build an
-   observation over the data since the last change settled;
-3. `policy.decide` per model, then `arbiter.arbitrate` across models that share the device: a model
-   held by the memory budget may take an instance from an idle or lower-priority one; log the
-   decision (JSONL, only changes and reason transitions) and count it;
-4. if it is a change and not `dry_run`: apply through the actuator, one action at a time, and
-   record it in the policy's history only if it succeeded; a failure backs off.
+1. collect the reloads that finished since the last tick (they run beside the loop, see 4);
+2. scrape `/metrics` and `/v2/models/stats` once, read the devices (NVML, the simulated device,
+   or nothing), read new request traces; hand each model's share to its `ModelObserver`;
+3. per model: read the live config (a server restart or someone else's change is adopted, and the
+   policy then holds one full window), let the observer build its observation, `policy.decide`;
+   then `arbiter.arbitrate` across models that share the device; log (JSONL, only changes and
+   reason transitions) and count every decision; adapt the trace sampling to the arrival rate;
+4. a change (not `dry_run`) is handed to a worker thread: a tick never waits on a reload. One action
+   at a time per model, and one full reload at a time on the device (a full reload holds old + new
+   memory). Its result is recorded in the policy's history only if it succeeded; a failure backs off.
 
 An unreachable server is "no data": the loop keeps running, logs once, and retries each tick.
+A tick that overran its interval is not followed by a burst of catch-up ticks.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,38 +32,49 @@ from . import policy
 from .arbiter import ModelView, arbitrate
 from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
 from .config import ControllerConfig, ModelLimits
-from .gpu import GpuSource, GpuUnavailable, NullSource, open_gpu_source
-from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, Scraper
+from .gpu import GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
+from .observer import ModelObserver, TraceFeed
+from .signals import ModelCounters, Scraper, StatsCounters
 from .telemetry import ControllerMetrics
+from .traces import TraceApi
 from .types import Decision, GpuObservation, Observation, Settings
 
 log = logging.getLogger("controller.loop")
 
-SIM_MEMORY_METRIC = "sim_device_memory_bytes"
-DEFAULT_TAIL_RATIO = 2.0        # p99 / mean latency until the server's summaries have measured it
-TAIL_RATIO_BOUNDS = (1.0, 5.0)
-MIN_REQUESTS_FOR_TAIL = 200     # a p99 of fewer requests says little
+
+@dataclass
+class PendingChange:
+    """A change handed to a worker; `future` gives (ApplyResult, finished_at)."""
+
+    decision: Decision
+    before: Settings
+    obs: Observation
+    future: Future
+    full_reload: bool
 
 
 @dataclass
 class ManagedModel:
     name: str
     limits: ModelLimits
-    window: ModelWindow
+    observer: ModelObserver
     state: policy.PolicyState
     current: Settings | None = None
     max_batch_size: int = 0
     last_reason: str = ""
+    reason_since: float = 0.0
     last_decision: Decision | None = None
-    last_obs: Observation | None = None
     reachable: bool = True
+    pending: PendingChange | None = None
     history: list[dict] = field(default_factory=list)   # recent decision records, newest last
-    tail_ratio: float = DEFAULT_TAIL_RATIO              # p99 / mean latency, from the server's own summaries
-    tail_ratio_measured: bool = False
+
+    @property
+    def last_obs(self) -> Observation | None:
+        return self.observer.last
 
 
-class DecisionLog:
-    """Append-only JSONL of decisions: every change and every change of reason."""
+class JsonLog:
+    """Append-only JSONL file (None: nothing is written)."""
 
     def __init__(self, path: str | None):
         self.path = Path(path) if path else None
@@ -74,15 +88,7 @@ class DecisionLog:
             f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
 
-def simulated_devices(scraped: dict[str, ModelCounters] | None, total_mb: float) -> tuple[GpuObservation, ...] | None:
-    """The SIMULATED device of the sim_accel model: memory = what its instances report."""
-    if scraped is None:
-        return None
-    used = [c.custom.get(SIM_MEMORY_METRIC) for c in scraped.values() if SIM_MEMORY_METRIC in c.custom]
-    if not used or any(u is None for u in used):
-        return ()
-    return (GpuObservation(index=0, utilization_pct=None, memory_used_bytes=int(sum(used)),
-                           memory_total_bytes=int(total_mb * 2**20)),)
+DecisionLog = JsonLog
 
 
 def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) -> tuple[policy.PerfPoint, ...]:
@@ -103,14 +109,6 @@ def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) ->
     return points[-policy.PERF_MEMORY:]
 
 
-def estimate_p99(obs: Observation, tail_ratio: float) -> Observation:
-    """A fresh p99 estimate for a short window: the larger of the worst interval mean and
-    mean latency x tail ratio. Example: mean 20 ms, tail ratio 1.8, worst 1-s mean 24 ms -> 36 ms."""
-    if not obs.valid or obs.p99_source != "interval_mean_max" or obs.p99_ms is None:
-        return obs
-    return dataclasses.replace(obs, p99_ms=max(obs.p99_ms, obs.request_ms_mean * tail_ratio), p99_source="mean_x_tail_ratio")
-
-
 def summarize_obs(obs: Observation) -> dict:
     if not obs.valid:
         return {"valid": False, "why": obs.invalid_reason}
@@ -119,6 +117,10 @@ def summarize_obs(obs: Observation) -> dict:
            "failure_rps": r(obs.failure_rps), "pending_mean": r(obs.pending_mean), "queue_ms": r(obs.queue_ms_per_request),
            "compute_ms": r(obs.compute_ms_per_request), "p99_ms": r(obs.p99_ms), "p99_source": obs.p99_source,
            "busy": r(obs.busy_fraction, 3), "avg_batch": r(obs.avg_batch_size), "mean_ms": r(obs.request_ms_mean)}
+    if obs.p99_source == "trace":
+        out["p99_samples"] = obs.p99_samples
+    if obs.service is not None:
+        out["service"] = obs.service.summary()
     if obs.gpus:
         out["mem_used_mb"] = r(sum(g.memory_used_bytes or 0 for g in obs.gpus) / 2**20, 1)
     return out
@@ -127,33 +129,40 @@ def summarize_obs(obs: Observation) -> dict:
 class Controller:
     def __init__(self, config: ControllerConfig, *, control: TritonControl | None = None,
                  scraper: Scraper | None = None, gpu: GpuSource | None = None,
-                 clock: Callable[[], float] = time.monotonic, metrics: ControllerMetrics | None = None):
+                 clock: Callable[[], float] = time.monotonic, metrics: ControllerMetrics | None = None,
+                 traces: TraceFeed | None = None, control_factory: Callable[[], TritonControl] | None = None):
         self.config = config
         self.clock = clock
         s = config.server
         headers = s.auth_headers()
-        self.control = control or TritonControl(s.grpc_url, s.http_url, s.control_protocol, headers,
-                                                timeout_s=s.timeout_s, load_timeout_s=config.loop.reload_timeout_s)
-        self.actuator = Actuator(self.control, ready_timeout_s=config.loop.reload_timeout_s)
+        new_control = control_factory or (lambda: TritonControl(
+            s.grpc_url, s.http_url, s.control_protocol, headers, timeout_s=s.timeout_s,
+            load_timeout_s=config.loop.reload_timeout_s))
+        self.control = control or new_control()
+        # why: reloads run on worker threads, each model with its own client; an injected control serves all
+        self._new_control = (lambda: self.control) if control is not None and control_factory is None else new_control
         self.scraper = scraper or Scraper(s.metrics_url, s.http_url, timeout_s=s.timeout_s, headers=headers)
         self.gpu_mode = config.loop.gpu
         self.gpu = gpu if gpu is not None else self._open_gpu(config.loop.gpu)
-        self.decision_log = DecisionLog(config.loop.decision_log)
+        self.simulated = SimulatedDeviceSource(config.loop.simulated_device_memory_mb)
+        self.decision_log = JsonLog(config.loop.decision_log)
+        self.observation_log = JsonLog(config.loop.observation_log)
         self.metrics = metrics or ControllerMetrics()
+        if traces is None:
+            api = TraceApi(s.http_url, headers, timeout_s=s.timeout_s) if config.loop.tracing else None
+            traces = TraceFeed(api, samples_per_s=config.loop.trace_samples_per_s, path_override=config.loop.trace_file)
+        self.traces = traces
         self.models: dict[str, ManagedModel] = {}
         self._stop = threading.Event()
         self._simulating = False
         self._gpu_failing = False
+        self._workers: ThreadPoolExecutor | None = None
+        self._actuators: dict[str, Actuator] = {}
 
     # -- set-up -------------------------------------------------------------------------------
     def _open_gpu(self, mode: str) -> GpuSource:
         if mode in ("auto", "nvml"):
-            try:
-                return open_gpu_source(mode)
-            except GpuUnavailable:
-                raise
-        if mode == "simulated":
-            self.gpu_mode = "simulated"
+            return open_gpu_source(mode)      # "nvml" without NVML raises GpuUnavailable: the user asked for it
         return NullSource()
 
     def discover(self) -> list[str]:
@@ -164,12 +173,13 @@ class Controller:
 
     def add_model(self, name: str, now: float) -> ManagedModel:
         limits = self.config.limits_for(name)
-        mm = ManagedModel(name, limits, ModelWindow(max_age_s=max(600.0, 3 * self.config.loop.window_s)),
-                          policy.initial_state(now))
-        if self.config.loop.warm_start:
-            mm.state = dataclasses.replace(mm.state, perf=warm_start_points(self.config.loop.warm_start, name, limits, now))
+        loop = self.config.loop
+        mm = ManagedModel(name, limits, ModelObserver(name, window_s=loop.window_s, settle_s=loop.settle_s),
+                          policy.initial_state(now), reason_since=now)
+        if loop.warm_start:
+            mm.state = policy.with_warm_start(mm.state, warm_start_points(loop.warm_start, name, limits, now))
             if mm.state.perf:
-                log.info("%s: warm start from %s (%d measured points)", name, self.config.loop.warm_start, len(mm.state.perf))
+                log.info("%s: warm start from %s (%d measured points)", name, loop.warm_start, len(mm.state.perf))
         self.models[name] = mm
         return mm
 
@@ -186,14 +196,17 @@ class Controller:
         if not has_dynamic_batching(cfg) and mm.limits.max_delay_us:
             mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
         mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
+        adopted = None
         if not mm.reachable:
             # why: the server may have restarted (counters reset, instances fresh): nothing learned before
             # the gap is trusted; hold one full window like at start
-            log.info("%s: server answers again; live config %s; holding one window", mm.name, live)
-            mm.state = policy.restarted_state(mm.state, now)
+            adopted = f"server answers again; live config {_fmt(live)}"
         elif mm.current is not None and live != mm.current:
-            log.info("%s: live config changed outside the controller (%s -> %s); holding one window", mm.name, mm.current, live)
+            adopted = f"live config changed outside the controller ({_fmt(mm.current)} -> {_fmt(live)})"
+        if adopted:
+            log.info("%s: %s; holding one window", mm.name, adopted)
             mm.state = policy.restarted_state(mm.state, now)
+            mm.observer.mark_change(now)
         mm.current = live
         mm.reachable = True
         return True
@@ -208,21 +221,33 @@ class Controller:
             except Exception as e:  # noqa: BLE001
                 log.warning("cannot list models on the server (%s); retrying", _short(e))
                 return
+        self._collect_finished()
+        self.traces.start()
         scraped = self.scraper.metrics()
+        stats = self.scraper.all_stats() if scraped is not None else None
         devices = self._devices(scraped)
-        decided = {}
+        traffic = any(mm.last_obs is not None and mm.last_obs.valid and mm.last_obs.arrival_rps > 0
+                      for mm in self.models.values())
+        traced = self.traces.poll(now, traffic)
+        decided: dict[str, tuple[Decision, Observation]] = {}
         for mm in self.models.values():
-            d = self._decide_model(mm, scraped, devices, now)
+            mm.observer.add_traces(traced.get(mm.name, ()), now)
+            d = self._decide_model(mm, scraped, stats, devices, now)
             if d is not None:
                 decided[mm.name] = d
         for name, (decision, obs) in self._arbitrate(decided).items():
             self._act(self.models[name], decision, obs, now)
+        for mm in self.models.values():
+            obs = mm.last_obs
+            self.traces.adapt(mm.name, obs.arrival_rps if obs is not None and obs.valid else None, now)
+            self._log_observation(mm, now)
 
     def _devices(self, scraped: dict[str, ModelCounters] | None) -> tuple[GpuObservation, ...]:
         """NVML's devices; without NVML ("auto") or when asked, the SIMULATED device if a model reports one."""
         self._simulating = False
         if self.gpu_mode == "simulated" or (isinstance(self.gpu, NullSource) and self.gpu_mode == "auto"):
-            sim = simulated_devices(scraped, self.config.loop.simulated_device_memory_mb)
+            self.simulated.feed(scraped)
+            sim = self.simulated.read()
             if sim:
                 self._simulating = True
                 return sim
@@ -238,80 +263,101 @@ class Controller:
         self._gpu_failing = False
         return devices
 
-    def _on_device(self, counters: ModelCounters | None) -> bool:
-        """With the simulated device, only models that report simulated memory live on it."""
-        if not self._simulating:
-            return True
-        return counters is not None and SIM_MEMORY_METRIC in counters.custom
-
-    def _decide_model(self, mm: ManagedModel, scraped, devices, now: float) -> tuple[Decision, Observation] | None:
+    def _decide_model(self, mm: ManagedModel, scraped: dict[str, ModelCounters] | None,
+                      stats: dict[str, StatsCounters] | None, devices, now: float) -> tuple[Decision, Observation] | None:
         """Observe and decide for one model; None when its live config cannot be read (logged)."""
         counters = None if scraped is None else scraped.get(mm.name)
-        mm.window.add(now, counters)
+        if mm.pending is not None:
+            # why: the live config is in flux until the worker reports; observe, but neither adopt nor decide
+            mm.observer.add_scrape(now, counters, None, None)
+            return Decision(mm.pending.decision.target, "HoldReloading", valid=False), Observation(valid=False)
         if not self._refresh_live(mm, now):
-            self._record(mm, _invalid_decision(mm), Observation(valid=False, invalid_reason="server_unreachable"), now, "hold")
+            mm.observer.add_scrape(now, counters, None, None)
+            self._record(mm, Decision(mm.current or Settings(0, 0), "HoldServerUnreachable", valid=False),
+                         Observation(valid=False, invalid_reason="server_unreachable"), now, "hold")
             return None
-        loop = self.config.loop
-        fresh_from = mm.state.last_change_at + loop.settle_s
-        span = min(loop.window_s, max(0.0, now - fresh_from))
-        obs = mm.window.observe(now, span, mm.current.instance_count)
-        if obs.valid and devices and self._on_device(counters):
-            obs = dataclasses.replace(obs, gpus=devices)
-        self._calibrate_tail(mm, counters, now)
-        obs = estimate_p99(obs, mm.tail_ratio)
-        mm.last_obs = obs
-        if mm.state.instance_memory_bytes is None and counters is not None and counters.custom.get(SIM_MEMORY_METRIC):
-            # The simulated device says what each instance holds; a real GPU's is learned from step deltas.
-            per = counters.custom[SIM_MEMORY_METRIC] / max(1, mm.current.instance_count)
-            mm.state = dataclasses.replace(mm.state, instance_memory_bytes=per)
-        decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, loop, now, mm.max_batch_size)
+        mm.observer.add_scrape(now, counters, None if stats is None else stats.get(mm.name), mm.current)
+        on_device = not self._simulating or self.simulated.hosts(counters)
+        obs = mm.observer.observe(now, mm.current, devices if on_device else ())
+        if counters is not None and self._simulating and self.simulated.hosts(counters):
+            # the simulated device says what each instance holds; a real GPU's is learned from step deltas
+            per = counters.custom.get("sim_device_memory_bytes", 0) / max(1, mm.current.instance_count)
+            mm.state = policy.with_reported_instance_memory(mm.state, per)
+        decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size)
         return decision, obs
-
-    def _calibrate_tail(self, mm: ManagedModel, counters: ModelCounters | None, now: float) -> None:
-        """Learn p99 / mean latency from a minute without changes, when the server's summary covers it.
-
-        Triton's summaries span about the last minute, so they are only trusted once the config has
-        been stable that long. Example: summary p99 46 ms over a minute whose mean was 25 ms -> 1.84.
-        """
-        stable_since = max(mm.state.last_change_at, mm.state.started_at)
-        if counters is None or counters.p99_us is None or now - stable_since < SUMMARY_MAX_AGE_S + self.config.loop.settle_s:
-            return
-        minute = mm.window.observe(now, SUMMARY_MAX_AGE_S, mm.current.instance_count)
-        if not minute.valid or minute.request_ms_mean <= 0 or minute.completion_rps * minute.span_s < MIN_REQUESTS_FOR_TAIL:
-            return
-        ratio = min(max(counters.p99_us / 1000.0 / minute.request_ms_mean, TAIL_RATIO_BOUNDS[0]), TAIL_RATIO_BOUNDS[1])
-        mm.tail_ratio = ratio if not mm.tail_ratio_measured else 0.8 * mm.tail_ratio + 0.2 * ratio
-        mm.tail_ratio_measured = True
 
     def _arbitrate(self, decided: dict[str, tuple[Decision, Observation]]) -> dict[str, tuple[Decision, Observation]]:
         """Let a model held by the shared memory budget take an instance from an idle or lower-priority one."""
         if len(decided) < 2:
             return decided
         views = [ModelView(name, self.models[name].current, d, o, self.models[name].limits,
-                           self.models[name].state.instance_memory_bytes) for name, (d, o) in decided.items()]
+                           self.models[name].state.instance_memory_bytes)
+                 for name, (d, o) in decided.items() if self.models[name].current is not None]
         for name, override in arbitrate(views).items():
             decided[name] = (override, decided[name][1])
         return decided
 
+    # -- acting -----------------------------------------------------------------------------------
     def _act(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> None:
-        mm.last_decision = decision
+        if mm.pending is not None:
+            self._record(mm, decision, obs, now, "hold")
+            return
         if not decision.valid or decision.target == mm.current:
             self._record(mm, decision, obs, now, "hold")
             return
         if self.config.loop.dry_run:
             self._record(mm, decision, obs, now, "dry_run")
-            # Pretend it settled so the dry-run log shows a realistic cadence, not a change every tick.
-            mm.state = dataclasses.replace(mm.state, last_change_at=now)
+            mm.state = policy.record_dry_run(mm.state, now)
             return
-        before = mm.current
-        result = self.actuator.apply(mm.name, decision.target)
-        self._after_apply(mm, decision, before, obs, result)
+        full = decision.target.max_queue_delay_us != mm.current.max_queue_delay_us
+        if full and any(o.pending is not None and o.pending.full_reload for o in self.models.values()):
+            # why: a full reload holds old + new memory until it finishes; two at once could exceed the budget
+            self._record(mm, Decision(mm.current, "HoldOtherFullReload", detail=f"wanted {_fmt(decision.target)}"),
+                         obs, now, "hold")
+            return
+        actuator = self._actuators.get(mm.name)
+        if actuator is None:
+            actuator = self._actuators[mm.name] = Actuator(self._new_control(), ready_timeout_s=self.config.loop.reload_timeout_s)
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(max_workers=max(2, len(self.models)), thread_name_prefix="reload")
+        target = decision.target
 
-    def _after_apply(self, mm: ManagedModel, decision: Decision, before: Settings, obs: Observation, result: ApplyResult) -> None:
-        now = self.clock()
+        def work():
+            result = actuator.apply(mm.name, target)
+            return result, self.clock()
+
+        mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full)
+        self._record(mm, decision, obs, now, "started")
+
+    def _collect_finished(self) -> None:
+        for mm in self.models.values():
+            p = mm.pending
+            if p is None or not p.future.done():
+                continue
+            mm.pending = None
+            try:
+                result, finished_at = p.future.result()
+            except Exception as e:  # noqa: BLE001 - Actuator.apply should not raise; if it does, it failed
+                result, finished_at = ApplyResult(False, "none", None, 0.0, _short(e)), self.clock()
+            self._after_apply(mm, p.decision, p.before, p.obs, result, finished_at)
+
+    def wait_for_pending(self, timeout_s: float = 30.0) -> None:
+        """Block until no change is in flight, then record them (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        for mm in self.models.values():
+            if mm.pending is not None:
+                try:
+                    mm.pending.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - recorded by _collect_finished
+                    pass
+        self._collect_finished()
+
+    def _after_apply(self, mm: ManagedModel, decision: Decision, before: Settings, obs: Observation,
+                     result: ApplyResult, now: float) -> None:
         if result.ok:
             mm.state = policy.record_applied(mm.state, decision, before, obs, now)
             mm.current = result.live
+            mm.observer.mark_change(now)
             self.metrics.reload(mm.name, result.kind)
             log.info("%s: %s -> %s (%s, %s in %.1f s) %s", mm.name, _fmt(before), _fmt(result.live), decision.reason,
                      result.kind, result.seconds, decision.detail)
@@ -320,14 +366,17 @@ class Controller:
             mm.state = policy.record_failed(mm.state, decision, before, now, self.config.loop.failure_backoff_s)
             if result.live is not None:
                 mm.current = result.live
+            mm.observer.mark_change(now)
             self.metrics.failure(mm.name)
             log.warning("%s: reload to %s failed after %.1f s: %s; keeping %s, next try not before %.0f s",
                         mm.name, _fmt(decision.target), result.seconds, result.error,
                         _fmt(mm.current) if mm.current else "unknown", mm.state.backoff_until - now)
             self._record(mm, decision, obs, now, "failed", result)
 
+    # -- records ----------------------------------------------------------------------------------
     def _record(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float, action: str,
                 result: ApplyResult | None = None) -> None:
+        mm.last_decision = decision
         self.metrics.decision(mm.name, decision.reason)
         if mm.current is not None:
             self.metrics.settings(mm.name, mm.current)
@@ -335,16 +384,28 @@ class Controller:
             self.metrics.p99_ms(mm.name, obs.p99_ms)
         if action == "hold" and decision.reason == mm.last_reason:
             return
+        if decision.reason != mm.last_reason:
+            mm.reason_since = now
         mm.last_reason = decision.reason
         record = {"time": time.time(), "t": round(now, 3), "model": mm.name, "action": action,
                   "reason": decision.reason, "detail": decision.detail,
                   "current": _asdict(mm.current if action != "applied" else None) or None,
-                  "target": _asdict(decision.target), "obs": summarize_obs(obs)}
+                  "target": _asdict(decision.target), "obs": summarize_obs(obs),
+                  "tracing": self.traces.describe(mm.name)}
+        if decision.held_by is not None:
+            record["held_by"] = decision.held_by.value
         if result is not None:
             record.update(kind=result.kind, apply_s=round(result.seconds, 2), error=result.error or None,
                           live=_asdict(result.live))
         mm.history = (mm.history + [record])[-50:]
         self.decision_log.write(record)
+
+    def _log_observation(self, mm: ManagedModel, now: float) -> None:
+        if self.observation_log.path is None or mm.last_obs is None:
+            return
+        self.observation_log.write({"time": time.time(), "t": round(now, 3), "model": mm.name,
+                                    "current": _asdict(mm.current), "reason": mm.last_reason,
+                                    "obs": summarize_obs(mm.last_obs)})
 
     # -- running ------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None, max_ticks: int | None = None) -> None:
@@ -358,19 +419,23 @@ class Controller:
             except Exception:  # noqa: BLE001 - the loop must outlive any single bad tick
                 log.exception("controller tick failed; continuing")
             ticks += 1
-            next_at += interval
+            # why: a tick that overran (a slow scrape) is not followed by a burst of catch-up ticks
+            next_at = max(next_at + interval, self.clock())
             stop.wait(max(0.0, next_at - self.clock()))
 
     def stop(self) -> None:
         self._stop.set()
 
     def close(self) -> None:
+        """Let a change in flight finish (the server keeps whatever it lands on), turn tracing off."""
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
+            self._collect_finished()
+        self.traces.stop()
+        for actuator in self._actuators.values():
+            if actuator.control is not self.control:
+                actuator.control.close()
         self.control.close()
-
-
-def _invalid_decision(mm: ManagedModel) -> Decision:
-    cur = mm.current or Settings(0, 0)
-    return Decision(cur, "HoldServerUnreachable", valid=False)
 
 
 def _asdict(s: Settings | None) -> dict | None:

@@ -6,6 +6,11 @@ controller's monotonic clock unless the name says otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # why: service.py imports Settings from here
+    from .service import ServiceFit
 
 
 @dataclass(frozen=True)
@@ -50,19 +55,40 @@ class Observation:
     queue_ms_per_request: float = 0.0     # mean time a request waited in the scheduler queue
     compute_ms_per_request: float = 0.0   # mean input+infer+output time charged to a request
     request_ms_mean: float = 0.0          # mean end-to-end server time per request
-    p99_ms: float | None = None           # server summary if enabled, else a derived bound
-    p99_source: str = "none"              # "summary" | "interval_mean_max" | "none"
+    p99_ms: float | None = None           # see observer.ModelObserver: the best figure available
+    p99_source: str = "none"              # "trace" | "summary" | "mean_x_tail_ratio" | "interval_mean_max" | "none"
+    p99_samples: int = 0                  # with "trace": the sampled requests behind the figure
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
     custom: dict[str, float] = field(default_factory=dict)  # the model's own metrics
     gpus: tuple[GpuObservation, ...] = ()
+    service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config
     invalid_reason: str = ""              # when valid=False: "no_samples" | "scrape_failed" | "too_few_samples" | "span_too_short"
+
+
+class Cap(str, Enum):
+    """What holds a model's instance count when it wants more (the lowest ceiling wins)."""
+
+    MAX = "max"                   # the configured max_instances
+    LEARNED_MAX = "learned_max"   # a larger count failed to load recently (e.g. out of memory)
+    SATURATED = "saturated"       # the last instance added brought nothing
+    MEMORY = "memory"             # the memory budget
+
+    @property
+    def hold_reason(self) -> str:
+        return {"max": "HoldAtMax", "learned_max": "HoldLearnedMax", "saturated": "HoldSaturated",
+                "memory": "HoldMemoryCap"}[self.value]
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer. `valid=False` means "do nothing", whatever `target` says."""
+    """The policy's answer. `valid=False` means "do nothing", whatever `target` says.
+
+    `held_by` is set when the model wants more instances than a ceiling allows: which ceiling.
+    Other parts (the arbiter) act on that value, never on the reason text.
+    """
 
     target: Settings
     reason: str
     valid: bool = True
     detail: str = ""
+    held_by: Cap | None = None

@@ -89,7 +89,7 @@ def test_warm_start_reads_a_sweep_and_judges_it_against_the_model_target(tmp_pat
 
 
 def test_p99_estimate_is_mean_times_tail_ratio_or_the_worst_interval():
-    from controller.loop import estimate_p99
+    from controller.observer import estimate_p99
     from controller.types import Observation
     base = Observation(valid=True, span_s=10, p99_ms=24.0, p99_source="interval_mean_max", request_ms_mean=20.0)
     est = estimate_p99(base, 1.8)

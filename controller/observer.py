@@ -1,0 +1,244 @@
+"""Observation: one `ModelObserver` per managed model, and the `TraceFeed` that serves them all.
+
+A `ModelObserver` owns everything the controller knows about what one model did:
+
+* its window of `/metrics` counters (`signals.ModelWindow`) and the fresh span after a change
+  (data from before `changed_at + settle_s` describes the old configuration and is not used);
+* its sampled request traces (`traces.TraceWindow`) and the latency figure with its source;
+* its service time per batch size, per live configuration (`service.ServiceTimes`);
+* the device readings attached to its observations.
+
+`observe()` turns that into one `Observation` for the policy. The p99 comes from the best source
+available, and the observation says which (`p99_source`):
+
+1. ``trace``: the 99th percentile of the sampled requests that ended in the fresh span (at least
+   `MIN_TRACE_SAMPLES` of them): what the server measured for each request, within seconds;
+2. ``summary``: Triton's own summary quantile, when the span is as long as the summary's own
+   (about 60 s) so that it does not describe the past;
+3. ``mean_x_tail_ratio``: max(worst per-scrape mean, mean x tail ratio), the tail ratio learned
+   from a quiet minute of summaries (2.0 until then). A servers started without a trace file, or
+   one whose files this process cannot see, gets this one (logged once by the `TraceFeed`).
+
+The `TraceFeed` turns TIMESTAMPS tracing on for each managed model, adapts the sampling rate to
+the arrival rate (`traces.choose_sampling`: about `samples_per_s` traces a second, so a window
+holds a few hundred at high load, and every request is traced at a few req/s), reads and removes
+the rotated trace files, and routes the samples to the observers. Anything that stops it (no
+trace file on the server, files that never appear here, an unwritable or full disk) turns tracing
+off with one log line and leaves the observers on the counters' estimate: never an exception.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .service import ServiceTimes
+from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
+from .traces import TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceWindow, choose_sampling, needs_change
+from .types import GpuObservation, Observation, Settings
+
+log = logging.getLogger("controller.observer")
+
+DEFAULT_TAIL_RATIO = 2.0        # p99 / mean latency until the server's summaries have measured it
+TAIL_RATIO_BOUNDS = (1.0, 5.0)
+MIN_REQUESTS_FOR_TAIL = 200     # a summary p99 over fewer requests says little
+MIN_TRACE_SAMPLES = 10          # fewer sampled requests than this in the span: use the counters' estimate
+TRACE_MAX_AGE_S = 120.0
+
+
+def estimate_p99(obs: Observation, tail_ratio: float) -> Observation:
+    """A p99 estimate for a short window from counters alone: the larger of the worst interval mean
+    and mean latency x tail ratio. Example: mean 20 ms, tail ratio 1.8, worst 1-s mean 24 ms -> 36 ms."""
+    if not obs.valid or obs.p99_source != "interval_mean_max" or obs.p99_ms is None:
+        return obs
+    return dataclasses.replace(obs, p99_ms=max(obs.p99_ms, obs.request_ms_mean * tail_ratio), p99_source="mean_x_tail_ratio")
+
+
+class ModelObserver:
+    """Everything observed about one model; `observe()` gives the policy its `Observation`."""
+
+    def __init__(self, name: str, *, window_s: float, settle_s: float):
+        self.name = name
+        self.window_s = window_s
+        self.settle_s = settle_s
+        self.counters = ModelWindow(max_age_s=max(600.0, 3 * window_s))
+        self.traces = TraceWindow(max_age_s=max(TRACE_MAX_AGE_S, 3 * window_s))
+        self.service = ServiceTimes()
+        self.changed_at = -math.inf    # the last applied or adopted change (the start is none: warm-up is the policy's)
+        self.tail_ratio = DEFAULT_TAIL_RATIO
+        self.tail_ratio_measured = False
+        self.last: Observation | None = None
+        self._latest: ModelCounters | None = None
+
+    # -- feeding -------------------------------------------------------------------------------
+    def add_scrape(self, now: float, counters: ModelCounters | None, stats: StatsCounters | None,
+                   live: Settings | None) -> None:
+        """One tick's counters (None: the scrape failed or the model was absent) and statistics."""
+        self.counters.add(now, counters)
+        self._latest = counters
+        self.service.add(live, stats, now)     # why: None (config unknown, reload in flight) breaks the chain
+
+    def add_traces(self, samples: Iterable[TraceSample], read_at: float) -> None:
+        self.traces.add(list(samples), read_at)
+
+    def mark_change(self, now: float) -> None:
+        """A change was applied (or adopted): data from before `now + settle_s` is the old config's."""
+        self.changed_at = now
+
+    @property
+    def fresh_from(self) -> float:
+        return self.changed_at + self.settle_s
+
+    # -- the observation -----------------------------------------------------------------------
+    def observe(self, now: float, live: Settings, devices: tuple[GpuObservation, ...] = ()) -> Observation:
+        span = min(self.window_s, max(0.0, now - self.fresh_from))
+        obs = self.counters.observe(now, span, live.instance_count)
+        if obs.valid and devices:
+            obs = dataclasses.replace(obs, gpus=devices)
+        self._calibrate_tail(now, live)
+        obs = self._latency(obs, now)
+        if obs.valid:
+            obs = dataclasses.replace(obs, service=self.service.fit(live))
+        self.last = obs
+        return obs
+
+    def _latency(self, obs: Observation, now: float) -> Observation:
+        """The best p99 figure for the observation's span, and where it came from."""
+        if not obs.valid:
+            return obs
+        traced = self.traces.summary(now, now - obs.since, since=obs.since)
+        if traced.count >= MIN_TRACE_SAMPLES and traced.p99_ms is not None:
+            return dataclasses.replace(obs, p99_ms=traced.p99_ms, p99_source="trace", p99_samples=traced.count)
+        return estimate_p99(obs, self.tail_ratio)
+
+    def _calibrate_tail(self, now: float, live: Settings) -> None:
+        """Learn p99 / mean latency from a minute without changes, when the server's summary covers it.
+
+        Triton's summaries span about the last minute, so they are only trusted once the config has
+        been stable that long. Example: summary p99 46 ms over a minute whose mean was 25 ms -> 1.84.
+        """
+        c = self._latest
+        if c is None or c.p99_us is None or now - self.changed_at < SUMMARY_MAX_AGE_S + self.settle_s:
+            return
+        minute = self.counters.observe(now, SUMMARY_MAX_AGE_S, live.instance_count)
+        if not minute.valid or minute.request_ms_mean <= 0 or minute.completion_rps * minute.span_s < MIN_REQUESTS_FOR_TAIL:
+            return
+        ratio = min(max(c.p99_us / 1000.0 / minute.request_ms_mean, TAIL_RATIO_BOUNDS[0]), TAIL_RATIO_BOUNDS[1])
+        self.tail_ratio = ratio if not self.tail_ratio_measured else 0.8 * self.tail_ratio + 0.2 * ratio
+        self.tail_ratio_measured = True
+
+
+class TraceFeed:
+    """Request tracing for the managed models: on, adapted, read, routed; off with one line if it cannot work.
+
+    `state` is "starting" (not yet asked the server), "on", or "off: <why>". Per model, `sampling`
+    holds the setting the server has (1 in `rate` requests, a file every `log_frequency` traces).
+    """
+
+    RECHECK_S = 30.0            # re-read each model's trace setting this often (a restarted server forgets it)
+    NO_FILES_AFTER_S = 30.0     # traffic for this long and no trace file seen here: the files are elsewhere
+
+    def __init__(self, api: TraceApi | None, *, samples_per_s: float = 20.0, path_override: str | None = None,
+                 files_factory: Callable[[Path], TraceFiles] = TraceFiles):
+        self.api = api
+        self.samples_per_s = samples_per_s
+        self.path_override = path_override
+        self.files_factory = files_factory
+        self.files: TraceFiles | None = None
+        self.trace_path: Path | None = None
+        self.state = "starting" if api is not None else "off: disabled in the configuration"
+        self.sampling: dict[str, TraceSampling] = {}
+        self._checked_at: dict[str, float] = {}
+        self._traffic_since: float | None = None
+        self._seen_any = False
+
+    @property
+    def on(self) -> bool:
+        return self.state == "on"
+
+    def start(self) -> None:
+        """Find the server's trace file; without one, fall back for good (logged once)."""
+        if self.state != "starting":
+            return
+        try:
+            path = self.path_override or self.api.trace_file()
+        except TraceApiError as e:
+            log.debug("trace settings not readable yet (%s); retrying", e)
+            return
+        if not path:
+            self._turn_off("the server was started without a trace file (add "
+                           "--trace-config triton,file=/tmp/traces/trace.json to tritonserver's command line)")
+            return
+        self.trace_path = Path(path)
+        self.files = self.files_factory(self.trace_path)
+        self.state = "on"
+        log.info("request tracing: reading %s.<n>, about %g sampled requests/s per model", path, self.samples_per_s)
+
+    def adapt(self, model: str, arrival_rps: float | None, now: float) -> None:
+        """Turn tracing on for `model`, or change its rate when the arrival rate moved enough."""
+        if not self.on:
+            return
+        wanted = choose_sampling(arrival_rps or 0.0, self.samples_per_s)
+        current = self.sampling.get(model)
+        if current is not None and arrival_rps is None:
+            return    # why: no fresh rate (no data this tick): keep what the server has
+        recheck = now - self._checked_at.get(model, -1e18) >= self.RECHECK_S
+        if current is not None and not needs_change(current, wanted) and not recheck:
+            return
+        try:
+            if current is not None and recheck and not needs_change(current, wanted):
+                live = self.api.setting(model)
+                self._checked_at[model] = now
+                if "TIMESTAMPS" in (live.get("trace_level") or []) and str(live.get("trace_rate")) == str(current.rate):
+                    return
+                log.info("%s: its trace setting was reset (server restart?); turning it on again", model)
+            self.api.set_model(model, level="TIMESTAMPS", rate=wanted.rate, log_frequency=wanted.log_frequency)
+        except TraceApiError as e:
+            log.warning("%s: cannot set its trace setting (%s); will retry", model, e)
+            return
+        self.sampling[model] = wanted
+        self._checked_at[model] = now
+
+    def poll(self, now: float, traffic: bool) -> dict[str, list[TraceSample]]:
+        """New samples per model. `traffic`: some managed model had arrivals this tick."""
+        if not self.on or self.files is None:
+            return {}
+        samples = self.files.poll()
+        if self.files.error:
+            self._turn_off(f"trace files at {self.trace_path}: {self.files.error}")
+            return {}
+        self._seen_any = self._seen_any or self.files.files_read > 0
+        if traffic and not self._seen_any:
+            self._traffic_since = self._traffic_since if self._traffic_since is not None else now
+            if now - self._traffic_since >= self.NO_FILES_AFTER_S:
+                self._turn_off(f"no trace file appeared at {self.trace_path}.<n> after {self.NO_FILES_AFTER_S:g} s "
+                               "of traffic (is the server on another machine? set controller.trace_file to where its "
+                               "trace file is visible from here)")
+                return {}
+        routed: dict[str, list[TraceSample]] = {}
+        for s in samples:
+            routed.setdefault(s.model, []).append(s)
+        return routed
+
+    def describe(self, model: str) -> str:
+        """One line for logs and status: "on, 1 in 10 requests" or "off: why"."""
+        if not self.on:
+            return self.state
+        s = self.sampling.get(model)
+        return "on (not yet set)" if s is None else f"on, 1 in {s.rate} requests"
+
+    def stop(self) -> None:
+        """Turn off what we turned on, so that files do not pile up with nobody reading them."""
+        for model in list(self.sampling):
+            try:
+                self.api.off(model)
+            except TraceApiError:
+                pass
+        self.sampling.clear()
+
+    def _turn_off(self, why: str) -> None:
+        log.warning("request tracing off: %s; p99 falls back to the counters' estimate", why)
+        self.stop()
+        self.state = f"off: {why}"

@@ -1,0 +1,310 @@
+"""The controller's tick with injected scraper, control and clock (no server, no sleeps):
+restart adoption, a slow reload that must not starve another model, the trace fallback, and no
+burst of catch-up ticks after a slow one."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+
+from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller.loop import Controller
+from controller.observer import TraceFeed
+from controller.signals import ModelCounters
+from controller.traces import TraceApiError, TraceSample
+from controller.types import Settings
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeModel:
+    """Cumulative Triton counters of one model serving `rps` requests of `latency_ms` each."""
+
+    def __init__(self, rps: float, latency_ms: float, compute_ms: float, pending: float = 0.0):
+        self.rps, self.latency_ms, self.compute_ms, self.pending = rps, latency_ms, compute_ms, pending
+        self.n = 0.0
+        self.t: float | None = None
+
+    def at(self, t: float) -> ModelCounters:
+        if self.t is not None:
+            self.n += self.rps * (t - self.t)
+        self.t = t
+        us = lambda ms: self.n * ms * 1000.0  # noqa: E731
+        return ModelCounters(success=self.n, failure=0.0, inference_count=self.n, exec_count=self.n,
+                             queue_us=us(self.latency_ms - self.compute_ms), compute_input_us=0.0,
+                             compute_infer_us=us(self.compute_ms), compute_output_us=0.0,
+                             request_us=us(self.latency_ms), pending=self.pending)
+
+
+class FakeScraper:
+    def __init__(self, clock: Clock, models: dict[str, FakeModel]):
+        self.clock, self.models, self.down = clock, models, False
+
+    def metrics(self):
+        return None if self.down else {m: fm.at(self.clock.t) for m, fm in self.models.items()}
+
+    def all_stats(self):
+        return None if self.down else {}
+
+
+def model_config(name: str, count: int = 1, delay: int = 0) -> dict:
+    return {"name": name, "max_batch_size": 8, "dynamic_batching": {"max_queue_delay_microseconds": str(delay)},
+            "instance_group": [{"count": count, "kind": "KIND_CPU"}]}
+
+
+class FakeControl:
+    """The repository calls; `gates[model]` (an Event) makes that model's loads wait until it is set."""
+
+    def __init__(self, names: list[str]):
+        self.configs = {n: model_config(n) for n in names}
+        self.down = False
+        self.gates: dict[str, threading.Event] = {}
+        self.loads: list[tuple[str, Settings]] = []
+        self.lock = threading.Lock()
+
+    def config(self, model):
+        if self.down:
+            raise ConnectionError("connection refused")
+        with self.lock:
+            return copy.deepcopy(self.configs[model])
+
+    def load(self, model, config=None):
+        gate = self.gates.get(model)
+        if gate is not None:
+            assert gate.wait(10), "test gate never opened"
+        from controller.actuation import settings_of
+        with self.lock:
+            self.configs[model] = copy.deepcopy(config)
+            self.loads.append((model, settings_of(config)))
+
+    def ready(self, model):
+        return True
+
+    def repository_index(self):
+        return [{"name": n, "state": "READY"} for n in self.configs]
+
+    def close(self):
+        pass
+
+
+class FakeTraceApi:
+    def __init__(self, trace_file: str | None = "/nowhere/trace.json"):
+        self.file = trace_file
+        self.settings: dict[str, dict] = {}
+        self.offs: list[str] = []
+
+    def trace_file(self):
+        return self.file
+
+    def setting(self, model=None):
+        return self.settings.get(model, {"trace_level": ["OFF"]})
+
+    def set_model(self, model, *, level, rate, log_frequency):
+        self.settings[model] = {"trace_level": [level], "trace_rate": str(rate), "log_frequency": str(log_frequency)}
+        return self.settings[model]
+
+    def off(self, model):
+        self.offs.append(model)
+        self.settings.pop(model, None)
+
+
+class FakeFiles:
+    def __init__(self, path):
+        self.path = path
+        self.pending: list[TraceSample] = []
+        self.error: str | None = None
+        self.files_read = 0
+
+    def poll(self):
+        out, self.pending = self.pending, []
+        self.files_read += bool(out)
+        return out
+
+
+LOOP = LoopConfig(interval_s=1.0, window_s=4.0, settle_s=0.0, min_span_s=2.0, gpu="none")
+HOT = ModelLimits(p99_target_ms=40.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0)
+
+
+def make(names, fake_models, clock, *, loop=LOOP, limits=HOT, traces=None):
+    control = FakeControl(names)
+    scraper = FakeScraper(clock, fake_models)
+    cfg = ControllerConfig(server=ServerConfig(), loop=loop, models={n: limits for n in names})
+    feed = traces if traces is not None else TraceFeed(None)
+    return Controller(cfg, control=control, scraper=scraper, clock=clock, traces=feed), control, scraper
+
+
+def run_ticks(controller, clock, n, step=1.0):
+    for _ in range(n):
+        controller.tick()
+        clock.t += step
+
+
+def test_restart_is_adopted_and_the_policy_holds_a_window():
+    clock = Clock()
+    ctl, control, scraper = make(["m"], {"m": FakeModel(50, 5, 4)}, clock)
+    run_ticks(ctl, clock, 6)
+    mm = ctl.models["m"]
+    assert mm.reachable and mm.last_decision.reason == "HoldSteady"
+    control.down = scraper.down = True
+    run_ticks(ctl, clock, 2)
+    assert not mm.reachable and mm.last_decision.reason == "HoldServerUnreachable"
+    control.down = scraper.down = False
+    scraper.models["m"] = FakeModel(50, 5, 4)            # a restarted server: counters from zero
+    back_at = clock.t
+    run_ticks(ctl, clock, 1)
+    assert mm.reachable and mm.state.started_at == back_at and mm.observer.changed_at == back_at
+    assert mm.last_decision.reason in ("HoldWarmup", "HoldNoData")
+    run_ticks(ctl, clock, 6)
+    assert mm.last_decision.reason == "HoldSteady"
+
+
+def test_a_change_made_outside_is_adopted():
+    clock = Clock()
+    ctl, control, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock)
+    run_ticks(ctl, clock, 6)
+    control.configs["m"] = model_config("m", count=3)
+    run_ticks(ctl, clock, 1)
+    mm = ctl.models["m"]
+    assert mm.current == Settings(3, 0) and mm.state.started_at == clock.t - 1.0
+
+
+def test_a_slow_reload_does_not_stall_the_loop_or_another_model():
+    clock = Clock()
+    # both models queue (queue 25 ms of a 30 ms request, p99 estimate 60 ms > 0.8 x 40): both want more
+    models = {"slow": FakeModel(300, 30, 5, pending=4), "fast": FakeModel(300, 30, 5, pending=4)}
+    ctl, control, _ = make(["slow", "fast"], models, clock)
+    control.gates["slow"] = threading.Event()
+    try:
+        run_ticks(ctl, clock, 5)                          # warm-up (4 s), then both decide to scale up
+        slow, fast = ctl.models["slow"], ctl.models["fast"]
+        assert slow.pending is not None, slow.last_decision
+        ticks_before = len(slow.observer.counters.samples)
+        for _ in range(4):                                # the slow load is still blocked: ticks go on
+            ctl.tick()
+            clock.t += 1.0
+            if fast.pending is not None:
+                fast.pending.future.result(timeout=5)     # the fast model's own reload completes meanwhile
+        assert slow.pending is not None and not control.gates["slow"].is_set()
+        assert len(slow.observer.counters.samples) == ticks_before + 4      # still observed
+        assert ("fast", Settings(2, 0)) in control.loads           # the other model was scaled meanwhile
+        assert slow.last_decision.reason == "HoldReloading"
+    finally:
+        control.gates["slow"].set()
+    ctl.wait_for_pending()
+    assert slow.pending is None and slow.current == Settings(2, 0)
+    assert slow.state.last_step is not None and slow.state.last_step.after == Settings(2, 0)
+    ctl.close()
+
+
+def test_only_one_full_reload_at_a_time():
+    clock = Clock()
+    ctl, control, _ = make(["a", "b"], {"a": FakeModel(10, 5, 4), "b": FakeModel(10, 5, 4)}, clock)
+    control.gates["a"] = threading.Event()
+    try:
+        run_ticks(ctl, clock, 1)
+        from controller.types import Decision
+        from controller.types import Observation
+        a, b = ctl.models["a"], ctl.models["b"]
+        ctl._act(a, Decision(Settings(1, 1000), "DelayIncreaseSmallBatches"), Observation(valid=False), clock.t)
+        ctl._act(b, Decision(Settings(1, 1000), "DelayIncreaseSmallBatches"), Observation(valid=False), clock.t)
+        assert a.pending is not None and a.pending.full_reload
+        assert b.pending is None and b.last_decision.reason == "HoldOtherFullReload"
+    finally:
+        control.gates["a"].set()
+    ctl.wait_for_pending()
+    ctl.close()
+
+
+def test_without_a_trace_file_the_p99_falls_back_to_the_estimate(caplog):
+    clock = Clock()
+    api = FakeTraceApi(trace_file=None)
+    ctl, _, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, traces=TraceFeed(api, files_factory=FakeFiles))
+    run_ticks(ctl, clock, 7)
+    mm = ctl.models["m"]
+    assert ctl.traces.state.startswith("off: the server was started without a trace file")
+    assert mm.last_obs.valid and mm.last_obs.p99_source == "mean_x_tail_ratio"
+    assert mm.history[-1]["tracing"].startswith("off:")
+    assert sum("request tracing off" in r.message for r in caplog.records) == 1     # said once
+    assert api.settings == {}
+
+
+def test_traces_give_the_p99_and_the_rate_follows_the_load():
+    clock = Clock()
+    api = FakeTraceApi()
+    feed = TraceFeed(api, samples_per_s=20.0, files_factory=FakeFiles)
+    ctl, _, _ = make(["m"], {"m": FakeModel(400, 5, 4)}, clock, traces=feed)
+    for _ in range(8):
+        # 20 sampled requests per second, end times on the controller's clock; one in a hundred is slow
+        if feed.files is not None:
+            feed.files.pending = [TraceSample("m", clock.t - 1 + k / 20, 50.0 if k == 0 else 5.0, 4.9, 0.5, 4.0)
+                                  for k in range(20)]
+        ctl.tick()
+        clock.t += 1.0
+    mm = ctl.models["m"]
+    assert mm.last_obs.p99_source == "trace" and mm.last_obs.p99_samples >= 40
+    assert 5.0 <= mm.last_obs.p99_ms <= 50.0
+    assert api.settings["m"]["trace_level"] == ["TIMESTAMPS"] and int(api.settings["m"]["trace_rate"]) == 20
+    ctl.close()
+    assert api.offs == ["m"]                               # turned off on the way out
+
+
+def test_a_trace_file_error_turns_tracing_off_and_the_loop_goes_on():
+    clock = Clock()
+    api = FakeTraceApi()
+    feed = TraceFeed(api, files_factory=FakeFiles)
+    ctl, _, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, traces=feed)
+    run_ticks(ctl, clock, 3)
+    feed.files.error = "No space left on device"
+    run_ticks(ctl, clock, 5)
+    assert feed.state.startswith("off:") and "No space left" in feed.state
+    assert api.offs == ["m"] and ctl.models["m"].last_obs.p99_source == "mean_x_tail_ratio"
+
+
+def test_trace_settings_api_errors_are_retried_not_raised():
+    clock = Clock()
+    api = FakeTraceApi()
+    calls = {"n": 0}
+
+    def flaky(model, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TraceApiError("HTTP 503")
+        return FakeTraceApi.set_model(api, model, **kw)
+    api.set_model = flaky
+    ctl, _, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, traces=TraceFeed(api, files_factory=FakeFiles))
+    run_ticks(ctl, clock, 4)
+    assert calls["n"] >= 2 and "m" in api.settings
+
+
+class FakeStop:
+    def __init__(self, clock):
+        self.clock = clock
+
+    def is_set(self):
+        return False
+
+    def wait(self, seconds):
+        self.clock.t += seconds
+        return False
+
+
+def test_a_slow_tick_is_not_followed_by_a_burst_of_catch_up_ticks():
+    clock = Clock(0.0)
+    ctl, _, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock)
+    starts = []
+
+    def tick():
+        starts.append(clock.t)
+        if len(starts) == 2:
+            clock.t += 3.5                               # one tick overran by 3.5 intervals
+    ctl.tick = tick
+    ctl.run(FakeStop(clock), max_ticks=6)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[1] == pytest.approx(3.5) and all(g >= 1.0 - 1e-9 for g in gaps), gaps
