@@ -213,6 +213,91 @@ def first_good_config_s(bins: Sequence[dict], sla_ms: float) -> float | None:
     return None
 
 
+SIGNAL_MIN_RPS = 20.0          # phases and readings below this load are not judged (too few requests for a p99)
+SIGNAL_TOLERANCE = 0.20        # the controller's p99 within 20% of the client's
+SIGNAL_HOLD_READINGS = 3       # a step is followed once this many readings in a row are within tolerance
+SIGNAL_MIN_CLIENT_REQUESTS = 50
+
+
+def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trace,
+                    tolerance: float = SIGNAL_TOLERANCE, min_rps: float = SIGNAL_MIN_RPS) -> dict:
+    """How well the controller's p99 reading matched what the clients saw.
+
+    `observations` are the controller's per-tick records (`t_s`: seconds from the traffic start,
+    `p99_ms`, `p99_source`, `span_s`, `arrival_rps`); `records` the load generator's. Each reading
+    covers the `span_s` before it, so it is compared with the client-side p99 of the requests that
+    completed in that same span (`error` = reading / client - 1). Per phase: the median reading, the
+    client p99 of the whole phase, the median absolute matched error and the share of readings that
+    came from traces. Per step change of the offered rate: seconds until `SIGNAL_HOLD_READINGS`
+    readings in a row are within `tolerance` of the client (None: never before the next step).
+
+    Example: a reading of 22 ms at t=50 s over a 10-s span, while the requests done in [40, 50) had
+    a client p99 of 20 ms, has error +0.10.
+    """
+    done = np.array([r.done_s for r in records if r.ok and r.done_s is not None], dtype=float)
+    lat = np.array([1000.0 * r.latency_s for r in records if r.ok and r.done_s is not None], dtype=float)
+    order = np.argsort(done)
+    done, lat = done[order], lat[order]
+
+    def client_p99(t0: float, t1: float) -> tuple[float | None, int]:
+        a, b = np.searchsorted(done, [t0, t1])
+        sel = lat[a:b]
+        return (float(np.percentile(sel, 99)) if sel.size >= SIGNAL_MIN_CLIENT_REQUESTS else None), int(sel.size)
+
+    matched = []
+    for o in observations:
+        if o.get("p99_ms") is None or not o.get("span_s") or o["t_s"] < 0 or o["t_s"] > trace.duration_s:
+            continue
+        client, n = client_p99(o["t_s"] - o["span_s"], o["t_s"])
+        if client is None or n / o["span_s"] < min_rps:
+            continue
+        matched.append({**o, "client_p99_ms": client, "error": o["p99_ms"] / client - 1.0})
+    by_phase = {}
+    for p in trace.phases:
+        inside = [m for m in matched if p.start_s <= m["t_s"] < p.start_s + p.duration_s]
+        client, n = client_p99(p.start_s, p.start_s + p.duration_s)
+        judged = n / p.duration_s >= min_rps and bool(inside)
+        errors = [abs(m["error"]) for m in inside]
+        by_phase[p.name] = {
+            "offered_rps": round(n / p.duration_s, 1), "readings": len(inside),
+            "controller_p99_ms": _round(float(np.median([m["p99_ms"] for m in inside])) if inside else None),
+            "client_p99_ms": _round(client),
+            "median_abs_error": _round(float(np.median(errors)), 3) if errors else None,
+            "trace_share": _round(sum(m["p99_source"] == "trace" for m in inside) / len(inside), 3) if inside else None,
+            "within_tolerance": (float(np.median(errors)) <= tolerance) if judged else None,
+        }
+    follow = []
+    steps = step_changes(trace)
+    for k, step in enumerate(steps):
+        stop_s = steps[k + 1]["at_s"] if k + 1 < len(steps) else trace.duration_s
+        after = [m for m in matched if step["at_s"] <= m["t_s"] < stop_s]
+        ok = [abs(m["error"]) <= tolerance for m in after]
+        lag = next((round(after[j]["t_s"] - step["at_s"], 2) for j in range(len(ok))
+                    if all(ok[j:j + SIGNAL_HOLD_READINGS]) and len(ok[j:j + SIGNAL_HOLD_READINGS]) == SIGNAL_HOLD_READINGS),
+                   None)
+        follow.append({**step, "follow_s": lag})
+    busy = [o for o in observations if (o.get("arrival_rps") or 0) >= min_rps and o.get("p99_ms") is not None]
+    return {"tolerance": tolerance, "readings_matched": len(matched), "p99_error_by_phase": by_phase,
+            "step_follow_s": follow,
+            "trace_share_busy": _round(sum(o["p99_source"] == "trace" for o in busy) / len(busy), 3) if busy else None}
+
+
+def _round(x: float | None, n: int = 2) -> float | None:
+    return None if x is None else round(x, n)
+
+
+def observations_for_bench(path: Path, model: str, wall0: float) -> list[dict]:
+    """The controller's observation log as `signal_accuracy` wants it (times from the traffic start)."""
+    out = []
+    for rec in _read_decisions(path):
+        obs = rec.get("obs") or {}
+        if rec.get("model") != model or not obs or obs.get("valid") is False:
+            continue
+        out.append({"t_s": rec["time"] - wall0, "p99_ms": obs.get("p99_ms"), "p99_source": obs.get("p99_source"),
+                    "span_s": obs.get("span_s"), "arrival_rps": obs.get("arrival_rps")})
+    return out
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
@@ -337,11 +422,11 @@ class _OracleSwitcher(threading.Thread):
             self.control.close()
 
 
-def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Path) -> dict:
+def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Path, observation_log: Path) -> dict:
     import yaml
     doc = {"server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
            "controller": {"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
-                          "decision_log": str(decision_log),
+                          "decision_log": str(decision_log), "observation_log": str(observation_log),
                           "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto")},
            "models": {opts.model: {"p99_target_ms": opts.sla_ms, "max_instances": opts.max_instances}}}
     if opts.controller_scale_down_delay_s is not None:
@@ -384,10 +469,12 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
                        "kind": "initial"}]
             controller = switcher = None
             decision_log = opts.out / "adaptive_decisions.jsonl"
+            observation_log = opts.out / "adaptive_observations.jsonl"
             if arm == "adaptive":
                 decision_log.unlink(missing_ok=True)
+                observation_log.unlink(missing_ok=True)
                 cfg_path = opts.out / "adaptive_controller.yaml"
-                ctl_doc = _controller_config(cfg_path, server, opts, decision_log)
+                ctl_doc = _controller_config(cfg_path, server, opts, decision_log, observation_log)
                 extra["controller_settings"] = {"controller": ctl_doc["controller"], "model": ctl_doc["models"][opts.model]}
                 log_file = open(opts.out / "adaptive_controller.log", "wb")
                 env = dict(os.environ)
@@ -429,6 +516,7 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
                 reasons: dict[str, int] = {}
                 for rec in decisions:
                     reasons[rec.get("reason", "?")] = reasons.get(rec.get("reason", "?"), 0) + 1
+                extra["controller_observations"] = observations_for_bench(observation_log, opts.model, wall0)
                 extra["controller"] = {
                     "cpu_pct": (None if cpu_start is None or cpu_end is None else
                                 round(100.0 * (cpu_end - cpu_start) / (t_end - t0), 3)),
@@ -471,6 +559,9 @@ def arm_summary(arm: str, run: dict, trace: Trace, sla_ms: float) -> tuple[dict,
         **run["extra"],
     }
     entry["mean_instances"] = entry["instance_seconds"] / trace.duration_s
+    observations = entry.pop("controller_observations", None)
+    if observations is not None:
+        entry["signal"] = signal_accuracy(observations, run["records"], trace)
     return entry, [dataclasses.asdict(b) for b in s.bins]
 
 
@@ -490,7 +581,25 @@ def summarize_bench(arms: dict[str, dict], bins: dict[str, list[dict]], trace: T
     summary["first_good_config_s"] = first_good_config_s(bins["adaptive"], sla_ms) if "adaptive" in bins else None
     summary["controller_cpu_pct"] = arms.get("adaptive", {}).get("controller", {}).get("cpu_pct")
     summary["targets"] = evaluate_targets(summary)
+    if "signal" in arms.get("adaptive", {}):
+        summary["signal"] = arms["adaptive"]["signal"]
+        summary["signal_targets"] = evaluate_signal_targets(summary["signal"])
     return summary
+
+
+def evaluate_signal_targets(signal_doc: dict) -> dict[str, dict]:
+    """Issue 9's targets for the controller's latency reading (met: True/False; None if not measured)."""
+    judged = [v["within_tolerance"] for v in signal_doc["p99_error_by_phase"].values() if v["within_tolerance"] is not None]
+    follows = [f["follow_s"] for f in signal_doc["step_follow_s"]]
+    worst_follow = None if not follows else (math.inf if any(f is None for f in follows) else max(follows))
+    share = signal_doc.get("trace_share_busy")
+    return {
+        "p99_within_20pct_every_busy_phase": {"value": f"{sum(judged)}/{len(judged)}",
+                                              "met": all(judged) if judged else None},
+        "max_step_follow_s": {"target": "<= 10", "value": "never" if worst_follow == math.inf else worst_follow,
+                              "met": None if worst_follow is None else worst_follow <= 10},
+        "trace_share_busy": {"target": ">= 0.9", "value": share, "met": None if share is None else share >= 0.9},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,6 +625,14 @@ def format_summary(summary: dict) -> str:
                                              for r in summary["reaction_s"]) or "no step changes"))
     lines.append(f"first_good_config_s: {_f(summary['first_good_config_s'], '{:.0f}')}, "
                  f"controller_cpu_pct: {_f(summary['controller_cpu_pct'], '{:.2f}')}")
+    if summary.get("signal"):
+        lines.append("controller p99 reading vs client p99 (median |error| per phase, trace share): " + ", ".join(
+            f"{k} {_f(v['controller_p99_ms'])}/{_f(v['client_p99_ms'])} ms "
+            f"{_f(v['median_abs_error'], '{:.0%}')} {_f(v['trace_share'], '{:.0%}')}"
+            for k, v in summary["signal"]["p99_error_by_phase"].items()))
+        for name, t in summary["signal_targets"].items():
+            verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+            lines.append(f"  signal {name:<35} {t.get('target', ''):>8}  value {t['value']!s:>8}  {verdict}")
     lines.append("targets:")
     for name, t in summary["targets"].items():
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]

@@ -91,8 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", type=Path, default=Path("results/sweep"), help="output folder (default results/sweep)")
 
     b = sub.add_parser("bench", help="replay a traffic scenario against default, best_static, oracle and adaptive arms")
-    b.add_argument("--scenario", type=Path, required=True,
+    b.add_argument("--scenario", type=Path,
                    help="trace YAML (phases or day_curve), or a two-model scenario (models: with a trace each)")
+    b.add_argument("--trace-overhead", action="store_true",
+                   help="instead of the arms: measure what request tracing costs (off vs on, same schedule, alternating)")
+    b.add_argument("--overhead-rates", type=_bounded_list(float, 1.0, 2000.0), default=[200.0, 500.0],
+                   help="with --trace-overhead: steady and overload rates in req/s (default 200,500)")
+    b.add_argument("--overhead-rounds", type=_bounded(int, 1, 10), default=2,
+                   help="with --trace-overhead: off/on pairs to run (default 2)")
     b.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder (default results/bench)")
     b.add_argument("--sweep", type=Path, help="sweep.json to choose best_static and oracle from (default: run one first)")
     b.add_argument("--sla-ms", type=_bounded(float, 0.1, 600_000.0), default=40.0, help="p99 objective in ms (default 40)")
@@ -335,6 +341,9 @@ def cmd_status(args) -> int:
                 live = settings_of(control.config(name))
                 line += f", {live.instance_count} instance(s), max_queue_delay_us {live.max_queue_delay_us}"
             print(line)
+            seen = next((r for r in reversed(history.get(name, [])) if (r.get("obs") or {}).get("p99_ms") is not None), None)
+            if seen is not None:
+                print("  " + describe_observation(seen))
             for rec in history.get(name, [])[-args.last:]:
                 when = time.strftime("%H:%M:%S", time.localtime(rec.get("time", 0)))
                 tgt = rec.get("target") or {}
@@ -343,6 +352,22 @@ def cmd_status(args) -> int:
         return 0
     finally:
         control.close()
+
+
+def describe_observation(rec: dict) -> str:
+    """One line of what the controller last saw: "seen 12:00:01: 150 req/s, p99 12.3 ms (trace, 240 samples), ..."."""
+    o = rec.get("obs") or {}
+    when = time.strftime("%H:%M:%S", time.localtime(rec.get("time", 0)))
+    source = o.get("p99_source", "?") + (f", {o['p99_samples']} samples" if o.get("p99_samples") else "")
+    parts = [f"{o.get('arrival_rps', 0):g} req/s", f"p99 {o['p99_ms']:g} ms ({source})",
+             f"queue {o.get('queue_ms', 0):g} ms, compute {o.get('compute_ms', 0):g} ms per request"]
+    svc = o.get("service")
+    if svc:
+        beta = "?" if svc.get("beta_ms") is None else f"{svc['beta_ms']:g}"
+        parts.append(f"service {svc.get('alpha_ms')} + {beta} x batch ms (r2 {svc.get('r2')}, {svc.get('executions')} executions)")
+    if rec.get("tracing"):
+        parts.append(f"tracing {rec['tracing']}")
+    return f"seen {when}: " + "; ".join(parts)
 
 
 def cmd_sweep(args) -> int:
@@ -365,6 +390,19 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.trace_overhead:
+        from .overhead import OverheadOptions, format_overhead, run_trace_overhead
+        if len(args.overhead_rates) != 2:
+            raise UsageError("--overhead-rates: give two rates, steady and overload (e.g. 200,500)")
+        doc = run_trace_overhead(OverheadOptions(
+            model=args.model, repository=args.repository, out=args.out, steady_rps=args.overhead_rates[0],
+            overload_rps=args.overhead_rates[1], rounds=args.overhead_rounds, sla_ms=args.sla_ms, seed=args.seed),
+            log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(format_overhead(doc))
+        print(f"wrote {args.out / 'trace_overhead.json'}")
+        return 0
+    if args.scenario is None:
+        raise UsageError("bench: --scenario is required (or --trace-overhead)")
     from .bench import BenchError, run_bench
     from .bench_multi import MultiBenchError, is_multi_model_scenario, run_bench_multi
     try:
