@@ -32,7 +32,7 @@ from . import policy
 from .arbiter import ModelView, arbitrate
 from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
 from .config import ControllerConfig, ModelLimits
-from .gpu import GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
+from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
 from .observer import ModelObserver, TraceFeed
 from .signals import ModelCounters, Scraper, StatsCounters
 from .telemetry import ControllerMetrics
@@ -62,7 +62,6 @@ class ManagedModel:
     current: Settings | None = None
     max_batch_size: int = 0
     last_reason: str = ""
-    reason_since: float = 0.0
     last_decision: Decision | None = None
     reachable: bool = True
     pending: PendingChange | None = None
@@ -116,7 +115,8 @@ def summarize_obs(obs: Observation) -> dict:
     out = {"span_s": r(obs.span_s, 1), "arrival_rps": r(obs.arrival_rps, 1), "completion_rps": r(obs.completion_rps, 1),
            "failure_rps": r(obs.failure_rps), "pending_mean": r(obs.pending_mean), "queue_ms": r(obs.queue_ms_per_request),
            "compute_ms": r(obs.compute_ms_per_request), "p99_ms": r(obs.p99_ms), "p99_source": obs.p99_source,
-           "busy": r(obs.busy_fraction, 3), "avg_batch": r(obs.avg_batch_size), "mean_ms": r(obs.request_ms_mean)}
+           "busy": r(obs.busy_fraction, 3), "avg_batch": r(obs.avg_batch_size), "batches_per_s": r(obs.exec_rps, 1),
+           "mean_ms": r(obs.request_ms_mean)}
     if obs.p99_source == "trace":
         out["p99_samples"] = obs.p99_samples
     if obs.service is not None:
@@ -175,7 +175,7 @@ class Controller:
         limits = self.config.limits_for(name)
         loop = self.config.loop
         mm = ManagedModel(name, limits, ModelObserver(name, window_s=loop.window_s, settle_s=loop.settle_s),
-                          policy.initial_state(now), reason_since=now)
+                          policy.initial_state(now))
         if loop.warm_start:
             mm.state = policy.with_warm_start(mm.state, warm_start_points(loop.warm_start, name, limits, now))
             if mm.state.perf:
@@ -281,7 +281,7 @@ class Controller:
         obs = mm.observer.observe(now, mm.current, devices if on_device else ())
         if counters is not None and self._simulating and self.simulated.hosts(counters):
             # the simulated device says what each instance holds; a real GPU's is learned from step deltas
-            per = counters.custom.get("sim_device_memory_bytes", 0) / max(1, mm.current.instance_count)
+            per = counters.custom.get(SIM_MEMORY_METRIC, 0) / max(1, mm.current.instance_count)
             mm.state = policy.with_reported_instance_memory(mm.state, per)
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size)
         return decision, obs
@@ -384,8 +384,6 @@ class Controller:
             self.metrics.p99_ms(mm.name, obs.p99_ms)
         if action == "hold" and decision.reason == mm.last_reason:
             return
-        if decision.reason != mm.last_reason:
-            mm.reason_since = now
         mm.last_reason = decision.reason
         record = {"time": time.time(), "t": round(now, 3), "model": mm.name, "action": action,
                   "reason": decision.reason, "detail": decision.detail,

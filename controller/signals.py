@@ -430,28 +430,6 @@ def _p99(samples: list[Sample], span_s: float) -> tuple[float | None, str]:
     return worst_ms, "interval_mean_max"
 
 
-def _custom(samples: list[Sample], span_s: float) -> dict[str, float]:
-    """Counters (`*_total`) as per-second rates, gauges as their newest value.
-
-    A custom counter summed over instances drops when an instance is removed (4 -> 2):
-    only increases between consecutive samples count, so removal is not a negative rate.
-    Example: 100 -> 160 -> 40 (two instances gone) -> 70 over 10 s gives (60 + 30) / 10 = 9/s.
-    """
-    names = {n for s in samples for n in s.counters.custom}
-    result: dict[str, float] = {}
-    for name in sorted(names):
-        if name.endswith("_total"):
-            increase = sum(
-                max(0.0, after.counters.custom[name] - before.counters.custom[name])
-                for before, after in zip(samples, samples[1:])
-                if name in before.counters.custom and name in after.counters.custom
-            )
-            result[name] = increase / span_s
-        else:
-            result[name] = next(s.counters.custom[name] for s in reversed(samples) if name in s.counters.custom)
-    return result
-
-
 class ModelWindow:
     """Timestamped samples of one model and the window arithmetic over them.
 
@@ -527,14 +505,12 @@ def _observation(samples: list[Sample], span_s: float, instance_count: int) -> O
         exec_rps=executions / span_s,
         avg_batch_size=_delta(first, last, "inference_count") / executions if executions > 0 else 0.0,
         pending_mean=sum(pendings) / len(pendings),
-        pending_max=max(pendings),
         queue_ms_per_request=_per_request_ms(_delta(first, last, "queue_us"), requests),
         compute_ms_per_request=_per_request_ms(compute_us, requests),
         request_ms_mean=_per_request_ms(_delta(first, last, "request_us"), requests),
         p99_ms=p99_ms,
         p99_source=p99_source,
         busy_fraction=busy_fraction(compute_us, requests, executions, span_s, instance_count),
-        custom=_custom(samples, span_s),
     )
 
 

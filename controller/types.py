@@ -5,7 +5,7 @@ controller's monotonic clock unless the name says otherwise.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -51,7 +51,6 @@ class Observation:
     exec_rps: float = 0.0                 # model executions (batches) per second
     avg_batch_size: float = 0.0           # inferences per execution
     pending_mean: float = 0.0             # nv_inference_pending_request_count, mean over window
-    pending_max: float = 0.0
     queue_ms_per_request: float = 0.0     # mean time a request waited in the scheduler queue
     compute_ms_per_request: float = 0.0   # mean input+infer+output time charged to a request
     request_ms_mean: float = 0.0          # mean end-to-end server time per request
@@ -59,7 +58,6 @@ class Observation:
     p99_source: str = "none"              # "trace" | "summary" | "mean_x_tail_ratio" | "interval_mean_max" | "none"
     p99_samples: int = 0                  # with "trace": the sampled requests behind the figure
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
-    custom: dict[str, float] = field(default_factory=dict)  # the model's own metrics
     gpus: tuple[GpuObservation, ...] = ()
     service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config
     invalid_reason: str = ""              # when valid=False: "no_samples" | "scrape_failed" | "too_few_samples" | "span_too_short"

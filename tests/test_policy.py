@@ -55,7 +55,7 @@ def S(n: int, d: int = 0) -> Settings:
 def obs(**kw) -> Observation:
     """A valid 20 s window at NOW: 100 req/s, p99 30 ms of a 100 ms target, half busy, no real queue."""
     base = dict(valid=True, span_s=20.0, since=NOW - 20.0, arrival_rps=100.0, completion_rps=100.0,
-                exec_rps=100.0, avg_batch_size=1.0, pending_mean=0.3, pending_max=1.0,
+                exec_rps=100.0, avg_batch_size=1.0, pending_mean=0.3,
                 queue_ms_per_request=1.0, compute_ms_per_request=10.0, request_ms_mean=11.0,
                 p99_ms=30.0, p99_source="summary", busy_fraction=0.5)
     base.update(kw)
@@ -305,7 +305,7 @@ def test_decide_is_pure(o, current, st_, lim, mbs, reason, target, valid, check)
     first = decide(*args)
     second = decide(*args)
     assert first == second
-    assert args == snapshot        # no input mutated (Observation.custom is a dict: checked by value)
+    assert args == snapshot        # no input mutated
 
 
 def test_gate_holds_return_the_state_unchanged():
@@ -624,7 +624,7 @@ class Plant:
         return Observation(
             valid=True, span_s=span_s, since=now - span_s, arrival_rps=self.load_rps, completion_rps=completion,
             exec_rps=completion / batch, avg_batch_size=batch, pending_mean=self.load_rps * wait / 1000.0,
-            pending_max=self.load_rps * wait / 500.0, queue_ms_per_request=wait, compute_ms_per_request=compute,
+            queue_ms_per_request=wait, compute_ms_per_request=compute,
             request_ms_mean=compute + wait, p99_ms=compute + 3 * wait + d / 1000.0, p99_source="summary",
             busy_fraction=min(1.0, rho),
             gpus=(GpuObservation(0, min(100.0, 100 * rho), self.memory_used(), self.total_memory),))

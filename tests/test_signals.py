@@ -334,7 +334,7 @@ WORKED = (
         pytest.param(
             WORKED, 1,
             dict(span_s=10, since=100, arrival_rps=50.4, completion_rps=50, failure_rps=0, exec_rps=12.5,
-                 avg_batch_size=8, pending_mean=4, pending_max=6, queue_ms_per_request=2,
+                 avg_batch_size=8, pending_mean=4, queue_ms_per_request=2,
                  compute_ms_per_request=20, request_ms_mean=23, busy_fraction=0.25),
             id="docstring-worked-example",
         ),
@@ -355,7 +355,7 @@ WORKED = (
         ),
         pytest.param(
             ((0.0, C(success=10, pending=8)), (2.0, C(success=30, pending=0))), 1,
-            dict(arrival_rps=6, completion_rps=10, pending_mean=4, pending_max=8),
+            dict(arrival_rps=6, completion_rps=10, pending_mean=4),
             id="draining-queue-arrivals-below-completions",
         ),
     ],
@@ -465,7 +465,7 @@ def test_a_sample_missing_any_required_counter_is_not_used(missing):
     assert obs.valid and obs.completion_rps == pytest.approx(10.0) and obs.exec_rps == pytest.approx(2.0)
 
 
-# -- p99 and custom ------------------------------------------------------------------------------
+# -- p99 -----------------------------------------------------------------------------------------
 
 def test_p99_uses_the_server_summary_only_over_a_window_as_long_as_its_own():
     w = window_of((0.0, C(p99_us=90_000)), (60.0, C(success=10, request_us=100_000, p99_us=12_000)))
@@ -495,17 +495,6 @@ def test_p99_falls_back_to_worst_interval_mean():
     )
     obs = w.observe(now=3.0, window_s=60.0, instance_count=1)
     assert (obs.p99_ms, obs.p99_source) == (pytest.approx(30.0), "interval_mean_max")
-
-
-def test_custom_counters_become_rates_and_gauges_stay_latest():
-    w = window_of(
-        (0.0, C(custom={"model_executions_total": 100, "sim_device_memory_bytes": 5e8})),
-        (4.0, C(custom={"model_executions_total": 160, "sim_device_memory_bytes": 7e8})),
-        (6.0, C(custom={"model_executions_total": 40})),   # two instances removed: not a negative rate
-        (10.0, C(custom={"model_executions_total": 70})),
-    )
-    obs = w.observe(now=10.0, window_s=60.0, instance_count=2)
-    assert obs.custom == {"model_executions_total": pytest.approx(9.0), "sim_device_memory_bytes": 7e8}
 
 
 # =====================================================================================
