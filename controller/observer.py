@@ -207,7 +207,7 @@ class TraceFeed:
             return {}
         samples = self.files.poll()
         if self.files.error:
-            self._turn_off(f"trace files at {self.trace_path}: {self.files.error}")
+            self._turn_off(self.files.error)
             return {}
         self._seen_any = self._seen_any or self.files.files_read > 0
         if traffic and not self._seen_any:
