@@ -15,9 +15,13 @@ One `Controller` manages the models named in its config (or every READY model). 
 
 An unreachable server is "no data": the loop keeps running, logs once, and retries each tick.
 A tick that overran its interval is not followed by a burst of catch-up ticks.
+
+After each tick the loop publishes what it sees (`status_snapshot`, read by the endpoint's `/status`
+on another thread): the loop thread builds it, a lock hands it over.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -51,6 +55,7 @@ class PendingChange:
     obs: Observation
     future: Future
     full_reload: bool
+    since: float = 0.0        # when it was handed over (controller clock)
 
 
 @dataclass
@@ -62,7 +67,9 @@ class ManagedModel:
     current: Settings | None = None
     max_batch_size: int = 0
     last_reason: str = ""
+    reason_since: float | None = None                   # when `last_reason` became the reason (controller clock)
     last_decision: Decision | None = None
+    last_change: dict | None = None                     # the last applied (or failed) change, for status
     reachable: bool = True
     pending: PendingChange | None = None
     history: list[dict] = field(default_factory=list)   # recent decision records, newest last
@@ -158,6 +165,12 @@ class Controller:
         self._gpu_failing = False
         self._workers: ThreadPoolExecutor | None = None
         self._actuators: dict[str, Actuator] = {}
+        self._started = (time.time(), clock())
+        self._ticks = 0
+        self._tick_error: str | None = None
+        self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
+        self._lock = threading.Lock()
+        self._published: tuple[float, dict] | None = None   # (controller time, snapshot), see status_snapshot
 
     # -- set-up -------------------------------------------------------------------------------
     def _open_gpu(self, mode: str) -> GpuSource:
@@ -214,13 +227,23 @@ class Controller:
     # -- one tick -------------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
+        try:
+            self._tick(now)
+        finally:
+            self._ticks += 1
+            self._publish(now)
+
+    def _tick(self, now: float) -> None:
         if not self.models:
             try:
                 for name in self.discover():
                     self.add_model(name, now)
             except Exception as e:  # noqa: BLE001
-                log.warning("cannot list models on the server (%s); retrying", _short(e))
+                if self._tick_error is None:
+                    log.warning("cannot list models on the server (%s); retrying", _short(e))
+                self._tick_error = f"cannot list models on the server: {_short(e)}"
                 return
+        self._tick_error = None
         self._collect_finished()
         self.traces.start()
         scraped = self.scraper.metrics()
@@ -326,7 +349,7 @@ class Controller:
             result = actuator.apply(mm.name, target)
             return result, self.clock()
 
-        mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full)
+        mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full, now)
         self._record(mm, decision, obs, now, "started")
 
     def _collect_finished(self) -> None:
@@ -354,6 +377,10 @@ class Controller:
 
     def _after_apply(self, mm: ManagedModel, decision: Decision, before: Settings, obs: Observation,
                      result: ApplyResult, now: float) -> None:
+        mm.last_change = {"time": time.time(), "t": now, "ok": result.ok, "from": _asdict(before),
+                          "to": _asdict(result.live if result.ok else decision.target), "reason": decision.reason,
+                          "detail": decision.detail, "kind": result.kind, "apply_s": round(result.seconds, 2),
+                          "error": result.error or None}
         if result.ok:
             mm.state = policy.record_applied(mm.state, decision, before, obs, now)
             mm.current = result.live
@@ -384,6 +411,8 @@ class Controller:
             self.metrics.p99_ms(mm.name, obs.p99_ms)
         if action == "hold" and decision.reason == mm.last_reason:
             return
+        if decision.reason != mm.last_reason:
+            mm.reason_since = now
         mm.last_reason = decision.reason
         record = {"time": time.time(), "t": round(now, 3), "model": mm.name, "action": action,
                   "reason": decision.reason, "detail": decision.detail,
@@ -404,6 +433,52 @@ class Controller:
         self.observation_log.write({"time": time.time(), "t": round(now, 3), "model": mm.name,
                                     "current": _asdict(mm.current), "reason": mm.last_reason,
                                     "obs": summarize_obs(mm.last_obs)})
+
+    # -- what the controller sees, for /status -----------------------------------------------------
+    def _publish(self, now: float) -> None:
+        """Build the snapshot on the loop thread and hand it over under the lock (see status_snapshot)."""
+        models = {}
+        for mm in self.models.values():
+            obs = mm.last_obs
+            if obs is not None and obs.valid:
+                self._seen[mm.name] = (now, summarize_obs(obs))
+            models[mm.name] = model_status(mm, self._seen.get(mm.name), self.traces.describe(mm.name))
+        loop, s = self.config.loop, self.config.server
+        snap = {"interval_s": loop.interval_s, "window_s": loop.window_s, "dry_run": loop.dry_run,
+                "tracing": self.traces.state, "decision_log": loop.decision_log, "ticks": self._ticks,
+                "error": self._tick_error,
+                "server": {"http_url": s.http_url, "grpc_url": s.grpc_url, "metrics_url": s.metrics_url},
+                "models": models}
+        with self._lock:
+            self._published = (now, snap)
+
+    def status_snapshot(self) -> dict:
+        """What the controller sees now, JSON-ready; safe to call from any thread.
+
+        Controller times (`*_t`, the loop's clock) become ages in seconds at the time of the call:
+        `held_for_s` (the current reason), `obs_age_s`, `last_change.ago_s`, `reloading.for_s`, `tick_age_s`.
+        """
+        with self._lock:
+            published = self._published
+        now = self.clock()
+        wall0, t0 = self._started
+        out = {"time": time.time(), "started": wall0, "uptime_s": round(now - t0, 1)}
+        if published is None:
+            return {**out, "ticks": 0, "tick_age_s": None, "models": {}, "interval_s": self.config.loop.interval_s,
+                    "window_s": self.config.loop.window_s, "dry_run": self.config.loop.dry_run,
+                    "tracing": self.traces.state, "decision_log": self.config.loop.decision_log, "error": None}
+        at, snap = published
+        snap = copy.deepcopy(snap)
+        out.update(snap, tick_age_s=round(now - at, 1))
+        age = lambda t: None if t is None else round(max(0.0, now - t), 1)  # noqa: E731
+        for m in snap["models"].values():
+            m["held_for_s"] = age(m.pop("reason_since_t"))
+            m["obs_age_s"] = age(m.pop("obs_t"))
+            if m["last_change"] is not None:
+                m["last_change"]["ago_s"] = age(m["last_change"].pop("t"))
+            if m["reloading"] is not None:
+                m["reloading"]["for_s"] = age(m["reloading"].pop("since_t"))
+        return out
 
     # -- running ------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None, max_ticks: int | None = None) -> None:
@@ -434,6 +509,34 @@ class Controller:
             if actuator.control is not self.control:
                 actuator.control.close()
         self.control.close()
+
+
+def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str) -> dict:
+    """One model's part of the status snapshot (times still on the controller's clock: `*_t`)."""
+    d, obs, p = mm.last_decision, mm.last_obs, mm.pending
+    return {
+        "instances": None if mm.current is None else mm.current.instance_count,
+        "delay_us": None if mm.current is None else mm.current.max_queue_delay_us,
+        "reachable": mm.reachable,
+        "p99_target_ms": mm.limits.p99_target_ms,
+        "min_instances": mm.limits.min_instances, "max_instances": mm.limits.max_instances,
+        "obs": None if seen is None else seen[1],           # the last valid observation ...
+        "obs_t": None if seen is None else seen[0],
+        "obs_now": None if obs is None or obs.valid else (obs.invalid_reason or "no data"),   # ... and why not now
+        "tracing": tracing,
+        "reason": mm.last_reason or None,
+        "detail": (d.detail or None) if d is not None else None,
+        "held_by": None if d is None or d.held_by is None else d.held_by.value,
+        "wants": _asdict(d.target) if d is not None and d.valid and d.target != mm.current else None,
+        "reason_since_t": mm.reason_since,
+        "last_change": dict(mm.last_change) if mm.last_change else None,
+        "reloading": None if p is None else {"to": _asdict(p.decision.target), "reason": p.decision.reason,
+                                             "kind": "full_reload" if p.full_reload else "in_place",
+                                             "since_t": p.since},
+        "recent": [{k: r.get(k) for k in ("time", "action", "reason", "detail", "current", "target", "kind", "error")}
+                   for r in mm.history[-5:]],
+        "capacity": None,                                    # the planner's predicted capacity, when it lands
+    }
 
 
 def _asdict(s: Settings | None) -> dict | None:

@@ -1,9 +1,79 @@
-"""The controller's own Prometheus metrics (served on loopback when `metrics_port` > 0)."""
+"""The controller's own endpoint, on loopback only: Prometheus `/metrics` and a JSON `/status`.
+
+`/status` is the controller's snapshot (`loop.Controller.status_snapshot`): per model what it sees
+now (load, p99 and its source, queue vs compute time), why it holds, its last change. `status`
+reads it; so can any script (`curl http://127.0.0.1:<port>/status`).
+"""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import ipaddress
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from .types import Settings
+
+log = logging.getLogger("controller.telemetry")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Endpoint:
+    """A small threaded HTTP server: /metrics (Prometheus text) and /status (JSON). Loopback only."""
+
+    def __init__(self, registry: CollectorRegistry, status: Callable[[], dict] | None, port: int = 0,
+                 host: str = "127.0.0.1"):
+        if not _is_loopback(host):
+            raise ValueError(f"the controller's endpoint stays on loopback; refusing to bind {host}")
+        registry_, status_ = registry, status
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry_))
+                elif path == "/status" and status_ is not None:
+                    try:
+                        body = json.dumps(status_(), separators=(",", ":")).encode()
+                    except Exception as e:  # noqa: BLE001 - a bad snapshot is a 500, not a dead endpoint
+                        log.warning("status snapshot failed: %s", e)
+                        self._send(500, "application/json", json.dumps({"error": str(e)[:200]}).encode())
+                        return
+                    self._send(200, "application/json", body)
+                else:
+                    self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics or /status\n")
+
+            def _send(self, code: int, ctype: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_args) -> None:   # no access log on stderr
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.host = host
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, name="controller-endpoint", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 class ControllerMetrics:
@@ -17,8 +87,9 @@ class ControllerMetrics:
         self.reloads = Counter("controller_reloads", "Changes applied, by kind (in_place, full_reload)", ["model", "kind"], registry=r)
         self.failures = Counter("controller_reload_failures", "Changes the server refused or that timed out", ["model"], registry=r)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", status: Callable[[], dict] | None = None) -> Endpoint:
+        """Serve /metrics (and /status when `status` is given) on `host:port` (0: a free port; see `.port`)."""
+        return Endpoint(self.registry, status, port, host)
 
     def decision(self, model: str, reason: str) -> None:
         self.decisions.labels(model, reason).inc()
