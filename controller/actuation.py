@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
+import socket
 import time
 from dataclasses import dataclass
 
@@ -180,3 +182,54 @@ def _msg(e: Exception) -> str:
     text = getattr(e, "message", None)
     text = text() if callable(text) else text
     return " ".join(str(text or e).split())[:500]
+
+
+# ---- what a refusal means ---------------------------------------------------------------------
+# Triton 2.51 answers a request to a restricted API the same way whether the header is missing or
+# carries the wrong value (one message in the binary for each protocol):
+#   gRPC: StatusCode.UNAVAILABLE "This protocol is restricted, expecting header 'triton-grpc-protocol-<key>'"
+#   HTTP: 403 {"error": "This API is restricted, expecting header '<key>'"}
+# so "wrong key" is "restricted although a key was sent". A server that is not there is also
+# UNAVAILABLE over gRPC ("failed to connect to all addresses ... Connection refused"), or
+# DEADLINE_EXCEEDED when nothing answers; over HTTP a ConnectionRefusedError or a timeout.
+
+UNREACHABLE, RESTRICTED, WRONG_KEY, OTHER = "unreachable", "restricted", "wrong_key", "other"
+
+_RESTRICTED_RE = re.compile(r"is restricted, expecting header '([^']*)'")
+_UNREACHABLE_TEXT = ("failed to connect to all addresses", "connection refused", "deadline exceeded",
+                     "socket closed", "connection reset", "name resolution", "timed out", "no route to host")
+
+
+def classify_error(e: BaseException, key_sent: bool) -> str:
+    """UNREACHABLE, RESTRICTED (no key sent), WRONG_KEY (a key was sent and refused) or OTHER."""
+    text = _msg(e)
+    status = getattr(e, "status", None)
+    status = str(status() if callable(status) else status or "")
+    if _RESTRICTED_RE.search(text) or status == "403":
+        return WRONG_KEY if key_sent else RESTRICTED
+    if isinstance(e, (ConnectionError, TimeoutError, socket.timeout)):
+        return UNREACHABLE
+    if status in ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED"):
+        return UNREACHABLE
+    if any(t in text.lower() for t in _UNREACHABLE_TEXT):
+        return UNREACHABLE
+    return OTHER
+
+
+def explain_error(e: BaseException, where: str, key_sent: bool, key_env: str = "TRITON_ADMIN_KEY") -> str:
+    """One line for the user, by what the error means (see classify_error)."""
+    kind = classify_error(e, key_sent)
+    text = _msg(e)[:200]
+    m = _RESTRICTED_RE.search(text)
+    header = m.group(1)[len(GRPC_HEADER_PREFIX):] if m and m.group(1).startswith(GRPC_HEADER_PREFIX) else \
+        (m.group(1) if m else "admin-key")
+    if kind == RESTRICTED:
+        return (f"the repository API of the server at {where} is restricted (it expects header '{header}'); pass the "
+                f"key: export {key_env}=<value from the key file> and set server.auth_header: {header}, or run status "
+                "on the same machine as serve, which finds it")
+    if kind == WRONG_KEY:
+        return (f"the server at {where} refused the key sent in header '{header}' (its repository API is restricted "
+                f"to another key): check ${key_env} against the key file that serve printed")
+    if kind == UNREACHABLE:
+        return f"cannot reach the server at {where}: {text}"
+    return f"the server at {where} answered with an error: {text}"
