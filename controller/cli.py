@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError, ControllerConfig, ServerConfig, load_config
+from .runstate import RunStateError, SeveralRunning
 from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer
 
 log = logging.getLogger("controller")
@@ -59,23 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=_port, default=8000)
     s.add_argument("--grpc-port", type=_port, default=8001)
     s.add_argument("--metrics-port", type=_port, default=8002)
-    s.add_argument("--controller-metrics-port", type=_port, help="serve the controller's own metrics here")
-    s.add_argument("--decision-log", help="JSONL decision log (default: none, or the config's)")
+    s.add_argument("--controller-metrics-port", type=_port,
+                   help="the controller's /metrics and /status, on loopback (default: the config's, else a free port)")
+    s.add_argument("--decision-log", help="JSONL decision log (default: the config's, else decisions.jsonl in the run-state folder)")
     s.add_argument("--dry-run", action="store_true", help="decide and log, change nothing")
     s.add_argument("--no-controller", action="store_true", help="only start the server")
     s.add_argument("--no-auth", action="store_true", help="leave the repository API open (default: guarded by a generated key)")
     s.add_argument("--duration-s", type=_bounded(float, 0.1, 1e7), help="stop by itself after this many seconds (tests, demos)")
 
     r = sub.add_parser("run", help="run the controller against a running server (e.g. the NGC container)")
-    r.add_argument("--config", type=Path, help="controller YAML (default: loopback ports 8000/8001/8002)")
+    r.add_argument("--config", type=Path, help="controller YAML (default: the serve running on this machine, "
+                   "else loopback ports 8000/8001/8002)")
+    r.add_argument("--pid", type=int, help="without --config and with several serves running: the one to use")
     r.add_argument("--dry-run", action="store_true", help="decide and log, change nothing")
     r.add_argument("--duration-s", type=_bounded(float, 0.1, 1e7), help="stop by itself after this many seconds")
     r.add_argument("--decision-log", help="JSONL decision log (overrides the config)")
 
-    st = sub.add_parser("status", help="print each managed model's live config and recent decisions")
-    st.add_argument("--config", type=Path, help="controller YAML (for the server address and decision log)")
-    st.add_argument("--decision-log", help="read recent decisions from this JSONL file")
-    st.add_argument("--last", type=int, default=5, help="decisions to show per model")
+    st = sub.add_parser("status", help="what the running controller sees: per model load, p99 and its source, why it holds")
+    st.add_argument("--config", type=Path, help="controller YAML (default: the serve running on this machine)")
+    st.add_argument("--pid", type=int, help="without --config and with several serves running: the one to show")
+    st.add_argument("--json", action="store_true", help="one JSON document (the controller's snapshot and the server's model states)")
+    st.add_argument("--watch", type=_bounded(float, 0.2, 3600.0), metavar="N", help="redraw every N seconds until Ctrl-C")
+    st.add_argument("--decision-log", help="without a reachable controller: read recent decisions from this JSONL file")
+    st.add_argument("--last", type=_bounded(int, 0, 50), default=3, help="recent decisions to show per model (default 3)")
 
     sw = sub.add_parser("sweep", help="offline grid: instances x max_queue_delay_us x offered load on one fresh server")
     sw.add_argument("--model", default="sim_accel", help="model to sweep (default sim_accel, the SIMULATED accelerator)")
@@ -188,15 +196,28 @@ def _with_overrides(cfg: ControllerConfig, args) -> ControllerConfig:
     return dataclasses.replace(cfg, loop=loop)
 
 
-def _run_controller(cfg: ControllerConfig, stop: threading.Event) -> None:
+def _start_controller(cfg: ControllerConfig, port: int | None):
+    """A Controller and, when `port` is not None, its loopback endpoint (/metrics, /status; 0: a free port)."""
     from .loop import Controller
     controller = Controller(cfg)
-    if cfg.loop.metrics_port:
-        controller.metrics.serve(cfg.loop.metrics_port)
-        log.info("controller metrics on http://127.0.0.1:%d/metrics", cfg.loop.metrics_port)
+    endpoint = None
+    if port is not None:
+        try:
+            endpoint = controller.metrics.serve(port, status=controller.status_snapshot)
+        except OSError as e:
+            controller.close()
+            raise ServerError(f"cannot serve the controller's metrics on 127.0.0.1:{port}: {e.strerror or e} "
+                              "(choose another with --controller-metrics-port or controller.metrics_port)") from None
+        log.info("controller metrics and status on http://127.0.0.1:%d/metrics and /status", endpoint.port)
+    return controller, endpoint
+
+
+def _run_controller(controller, endpoint, stop: threading.Event) -> None:
     try:
         controller.run(stop)
     finally:
+        if endpoint is not None:
+            endpoint.close()
         controller.close()
 
 
@@ -231,6 +252,7 @@ def _wait_for_server(server: ServerConfig, stop: threading.Event, headers: dict)
 # ---- verbs ----------------------------------------------------------------------------------
 
 def cmd_serve(args) -> int:
+    from . import runstate
     cfg = _with_overrides(load_config(args.config), args)
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     restricted = None
@@ -245,20 +267,31 @@ def cmd_serve(args) -> int:
     _install_signal_handlers(stop)
     t0 = time.monotonic()
     server = TritonServer(options)
-    server.start()
+    state = {"pid": os.getpid(), "started": time.time(), "phase": "starting", "http_url": server.http_url,
+             "grpc_url": server.grpc_url, "metrics_url": server.metrics_url,
+             "auth_header": ADMIN_HEADER if restricted else None, "key_file": None, "decision_log": None,
+             "controller_port": None, "models": models, "repository": str(args.repository)}
+    folder = _write_run_state(state, None)
+    controller = endpoint = None
     try:
+        server.start()
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: HTTP {server.http_url}, gRPC {server.grpc_url}, "
               f"metrics {server.metrics_url}", flush=True)
         if restricted:
             key_file = server.workdir / "admin-key"
             key_file.touch(mode=0o600)
             key_file.write_text(restricted[1])
+            state["key_file"] = str(key_file)
             print(f"repository API restricted: send header '{ADMIN_HEADER}' with the value in {key_file} "
                   f"(or set {cfg.server.auth_key_env} before starting to choose it; --no-auth to disable)", flush=True)
         print(f"server log: {server.log_path}", flush=True)
         if args.duration_s:
             _stop_after(args.duration_s, stop)
         if args.no_controller:
+            state["phase"] = "running"
+            _write_run_state(state, folder)
+            print("no controller (--no-controller); `python -m controller status` shows the server's live configs",
+                  flush=True)
             while not stop.wait(0.5):
                 if server.process.poll() is not None:
                     raise ServerError(f"tritonserver exited with code {server.process.returncode}: {server.log_tail()}")
@@ -269,16 +302,44 @@ def cmd_serve(args) -> int:
         cfg = dataclasses.replace(cfg, server=server_cfg)
         if not cfg.models:
             cfg = cfg.with_models(models or _loaded_models(server))
+        if not cfg.loop.decision_log and folder is not None:
+            # why: a newcomer's first question is "what did it do?"; the log outlives the serve
+            cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
+                cfg.loop, decision_log=str(runstate.serve_dir(os.getpid(), folder) / "decisions.jsonl")))
+        controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0)
+        state.update(phase="running", decision_log=cfg.loop.decision_log and str(Path(cfg.loop.decision_log).resolve()),
+                     controller_port=endpoint.port, models=list(cfg.models))
+        _write_run_state(state, folder)
+        print(f"controller status: python -m controller status (or http://127.0.0.1:{endpoint.port}/status); "
+              f"decision log: {state['decision_log'] or 'none'}", flush=True)
         print(f"controller managing {', '.join(cfg.models)} (p99 targets: "
               f"{', '.join(f'{m} {lim.p99_target_ms:g} ms' for m, lim in cfg.models.items())})", flush=True)
         died = _watch_server(server, stop)
-        _run_controller(cfg, stop)
+        controller.run(stop)
         if died.is_set():
             raise ServerError(f"tritonserver exited with code {server.process.returncode}: {server.log_tail()}")
         return 0
     finally:
+        if folder is not None:
+            runstate.remove(os.getpid(), folder)
+        if endpoint is not None:
+            endpoint.close()
+        if controller is not None:
+            controller.close()
         server.stop()
         print("stopped", flush=True)
+
+
+def _write_run_state(state: dict, folder: Path | None) -> Path | None:
+    """Write serve's run-state file (see runstate); the folder it went to, None if it cannot be written."""
+    from . import runstate
+    try:
+        folder = folder or runstate.run_dir()
+        runstate.write(state, folder)
+        return folder
+    except OSError as e:
+        log.warning("cannot write the run-state file (%s); `status` and `run` will need --config", e)
+        return None
 
 
 def _watch_server(server: TritonServer, stop: threading.Event) -> threading.Event:
@@ -300,7 +361,10 @@ def _loaded_models(server: TritonServer) -> list[str]:
 
 
 def cmd_run(args) -> int:
-    cfg = _with_overrides(load_config(args.config), args)
+    if args.config is None:
+        cfg = _with_overrides(_config_from_serve(args.pid), args)
+    else:
+        cfg = _with_overrides(load_config(args.config), args)
     headers = cfg.server.auth_headers()
     stop = threading.Event()
     _install_signal_handlers(stop)
@@ -308,66 +372,78 @@ def cmd_run(args) -> int:
         _stop_after(args.duration_s, stop)
     if not _wait_for_server(cfg.server, stop, headers):
         return 0
-    _run_controller(cfg, stop)
+    _check_repository_access(cfg.server, headers)
+    controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or None)
+    _run_controller(controller, endpoint, stop)
     return 0
 
 
-def cmd_status(args) -> int:
-    import json
-    from .actuation import TritonControl, settings_of
-    cfg = _with_overrides(load_config(args.config), args)
-    s = cfg.server
-    control = TritonControl(s.grpc_url, s.http_url, s.control_protocol, cfg.server.auth_headers(), timeout_s=s.timeout_s)
+def _config_from_serve(pid: int | None) -> ControllerConfig:
+    """`run` without --config: the serve on this machine (its addresses and key), else the defaults."""
+    from . import runstate
+    from .status import read_key, server_config_from_state
     try:
-        try:
-            index = control.repository_index()
-        except Exception as e:  # noqa: BLE001
-            raise ServerError(f"cannot reach the server at {s.grpc_url if s.control_protocol == 'grpc' else s.http_url}: "
-                              f"{' '.join(str(e).split())[:150]}") from None
-        names = list(cfg.models) or sorted(m["name"] for m in index)
-        states = {m["name"]: m.get("state", "?") for m in index}
-        history: dict[str, list[dict]] = {}
-        if cfg.loop.decision_log and Path(cfg.loop.decision_log).exists():
-            for line in Path(cfg.loop.decision_log).read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                history.setdefault(rec.get("model"), []).append(rec)
-        for name in names:
-            state = states.get(name, "NOT IN REPOSITORY")
-            line = f"{name}: {state}"
-            if state == "READY":
-                live = settings_of(control.config(name))
-                line += f", {live.instance_count} instance(s), max_queue_delay_us {live.max_queue_delay_us}"
-            print(line)
-            seen = next((r for r in reversed(history.get(name, [])) if (r.get("obs") or {}).get("p99_ms") is not None), None)
-            if seen is not None:
-                print("  " + describe_observation(seen))
-            for rec in history.get(name, [])[-args.last:]:
-                when = time.strftime("%H:%M:%S", time.localtime(rec.get("time", 0)))
-                tgt = rec.get("target") or {}
-                print(f"  {when} {rec.get('action'):8} {rec.get('reason'):26} -> {tgt.get('instances')} inst, "
-                      f"{tgt.get('delay_us')} us  {rec.get('detail') or ''}")
-        return 0
+        state = runstate.choose(pid)
+    except runstate.NothingRunning:
+        log.info("no serve found in %s; using the default addresses (loopback 8000/8001/8002)", runstate.run_dir(create=False))
+        return ControllerConfig()
+    if state.get("controller_port"):
+        raise UsageError(f"run: serve pid {state.pid} already runs a controller on its models; start serve with "
+                         "--no-controller to run one separately (or pass --config for another server)")
+    server = server_config_from_state(state)
+    key = read_key(state, server.auth_key_env)
+    if key:
+        os.environ[server.auth_key_env] = key
+    log.info("using serve pid %d: gRPC %s, HTTP %s", state.pid, server.grpc_url, server.http_url)
+    return ControllerConfig(server=server)
+
+
+def _check_repository_access(server: ServerConfig, headers: dict) -> None:
+    """One repository call before the loop starts, so that a refused key is one clear line, not a log loop."""
+    from .actuation import RESTRICTED, WRONG_KEY, TritonControl, classify_error, explain_error
+    control = TritonControl(server.grpc_url, server.http_url, server.control_protocol, headers, timeout_s=server.timeout_s)
+    try:
+        control.repository_index()
+    except Exception as e:  # noqa: BLE001
+        if classify_error(e, bool(headers)) in (RESTRICTED, WRONG_KEY):
+            where = server.grpc_url if server.control_protocol == "grpc" else server.http_url
+            raise ServerError(explain_error(e, where, bool(headers), server.auth_key_env)) from None
     finally:
         control.close()
 
 
-def describe_observation(rec: dict) -> str:
-    """One line of what the controller last saw: "seen 12:00:01: 150 req/s, p99 12.3 ms (trace, 240 samples), ..."."""
-    o = rec.get("obs") or {}
-    when = time.strftime("%H:%M:%S", time.localtime(rec.get("time", 0)))
-    source = o.get("p99_source", "?") + (f", {o['p99_samples']} samples" if o.get("p99_samples") else "")
-    parts = [f"{o.get('arrival_rps', 0):g} req/s", f"p99 {o['p99_ms']:g} ms ({source})",
-             f"queue {o.get('queue_ms', 0):g} ms, compute {o.get('compute_ms', 0):g} ms per request"]
-    svc = o.get("service")
-    if svc:
-        beta = "?" if svc.get("beta_ms") is None else f"{svc['beta_ms']:g}"
-        parts.append(f"service {svc.get('alpha_ms')} + {beta} x batch ms (r2 {svc.get('r2')}, {svc.get('executions')} executions)")
-    if rec.get("tracing"):
-        parts.append(f"tracing {rec['tracing']}")
-    return f"seen {when}: " + "; ".join(parts)
+def cmd_status(args) -> int:
+    from . import runstate
+    from .status import format_text, gather, resolve, watch
+
+    def one() -> str:
+        target = resolve(args.config, args.pid, lambda p: _with_overrides(load_config(p), args))
+        if args.decision_log:
+            target = dataclasses.replace(target, decision_log=args.decision_log)
+        doc = gather(target, last=args.last)
+        return json.dumps(doc, indent=1) if args.json else format_text(doc, last=args.last)
+
+    def frame() -> str:
+        try:
+            return one()
+        except runstate.SeveralRunning as e:
+            return f"{e}:\n{e.listing()}"
+        except (runstate.RunStateError, ServerError) as e:
+            return f"{time.strftime('%H:%M:%S')} {e}"
+
+    if args.watch:
+        return watch(frame, args.watch)
+    try:
+        print(one())
+    except runstate.NothingRunning as e:
+        print(str(e))
+        return 1
+    except runstate.SeveralRunning as e:
+        print(f"{e}:\n{e.listing()}")
+        return 2
+    except runstate.RunStateError as e:
+        raise ServerError(str(e)) from None
+    return 0
 
 
 def cmd_sweep(args) -> int:
@@ -450,5 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     except ServerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except RunStateError as e:          # run without --config: no such serve, or several (pass --pid)
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, SeveralRunning) else 1
     except KeyboardInterrupt:
         return 130

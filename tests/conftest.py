@@ -1,7 +1,11 @@
 """Shared fixtures: a real tritonserver (the pip one, or TRITONSERVER on PATH) with the shipped repository."""
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "model_repository" / "resnet_tiny" / "1"))  # network.py, to compare outputs
 
 from controller.server import ServerOptions, TritonServer, free_port  # noqa: E402
+
+# Every `serve` the tests start (in-process or as a subprocess) leaves its run-state file and decision log in a
+# throwaway folder, never in the user's: a test must not find, or be found by, a serve the user is running.
+os.environ["TRITON_AUTOTUNE_RUN_DIR"] = tempfile.mkdtemp(prefix="triton-autotune-tests-")
+atexit.register(shutil.rmtree, os.environ["TRITON_AUTOTUNE_RUN_DIR"], True)
 
 
 def start_server(models: list[str], **kw) -> TritonServer:

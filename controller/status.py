@@ -1,0 +1,390 @@
+"""`python -m controller status`: what the running controller sees, for people (aligned text) and scripts (--json).
+
+Where it looks, in this order: `--config FILE` (the server's addresses, its key from the environment,
+the controller's endpoint at `controller.metrics_port`); else the run-state file of the one `serve`
+on this machine (`runstate`; `--pid N` when there are several), which gives the addresses, the key
+file and the controller's port. It reads
+
+* from the server: each model's state (READY, ...) through the repository API;
+* from the controller: its `/status` snapshot (load, p99 and its source, queue vs compute time, the
+  reason it holds and for how long, the last change), not re-derived from logs;
+* when the controller cannot be reached (`serve --no-controller`, `run` without a metrics port): the
+  server's live configs, and the decision log's last records if one is known.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import runstate
+from .actuation import TritonControl, explain_error, settings_of
+from .config import ControllerConfig, ServerConfig
+from .server import ServerError
+
+CONTROLLER_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """Everything `status` needs to know about one deployment."""
+
+    server: ServerConfig
+    headers: dict[str, str]
+    controller_port: int | None
+    decision_log: str | None
+    models: tuple[str, ...] = ()          # configured models (empty: what the server has)
+    serve: runstate.ServeState | None = None
+    config_path: str | None = None
+    no_controller_why: str = ""
+
+    @property
+    def where(self) -> str:
+        return self.server.grpc_url if self.server.control_protocol == "grpc" else self.server.http_url
+
+
+def read_key(state: runstate.ServeState, env: str = "TRITON_ADMIN_KEY") -> str | None:
+    """The admin key of a serve: from its key file (0600, the same user), else from `$env`."""
+    key_file = state.get("key_file")
+    if not state.get("auth_header"):
+        return None
+    if key_file:
+        try:
+            return Path(key_file).read_text().strip()
+        except OSError as e:
+            if os.environ.get(env):
+                return os.environ[env]
+            raise ServerError(f"cannot read the admin key of serve pid {state.pid} from {key_file} "
+                              f"({e.strerror or e}); set {env} to it") from None
+    if os.environ.get(env):
+        return os.environ[env]
+    raise ServerError(f"serve pid {state.pid} is still starting (no key file yet); try again in a moment")
+
+
+def server_config_from_state(state: runstate.ServeState) -> ServerConfig:
+    return ServerConfig(http_url=state.get("http_url"), grpc_url=state.get("grpc_url"),
+                        metrics_url=state.get("metrics_url"), auth_header=state.get("auth_header"))
+
+
+def target_from_state(state: runstate.ServeState) -> Target:
+    if state.get("phase") == "starting":
+        raise ServerError(f"serve pid {state.pid} is starting tritonserver (for {_dur(time.time() - state.get('started', 0))}); "
+                          "try again in a moment")
+    server = server_config_from_state(state)
+    key = read_key(state, server.auth_key_env)
+    headers = {server.auth_header: key} if server.auth_header and key else {}
+    port = state.get("controller_port")
+    why = "" if port else "serve runs without a controller (--no-controller)"
+    return Target(server, headers, port, state.get("decision_log"), tuple(state.get("models") or ()), serve=state,
+                  no_controller_why=why)
+
+
+def target_from_config(cfg: ControllerConfig, path: str | None) -> Target:
+    port = cfg.loop.metrics_port or None
+    return Target(cfg.server, cfg.server.auth_headers(), port, cfg.loop.decision_log, tuple(cfg.models),
+                  config_path=path, no_controller_why="" if port else "the config sets no controller.metrics_port")
+
+
+# ---- gathering ----------------------------------------------------------------------------------
+
+def fetch_controller(port: int, timeout_s: float = CONTROLLER_TIMEOUT_S) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def gather(target: Target, last: int = 3) -> dict[str, Any]:
+    """One status document (what --json prints). Raises ServerError with a one-line, classified message."""
+    s = target.server
+    control = TritonControl(s.grpc_url, s.http_url, s.control_protocol, target.headers, timeout_s=min(s.timeout_s, 5.0))
+    try:
+        try:
+            index = control.repository_index()
+        except Exception as e:  # noqa: BLE001 - any client error: say which kind
+            raise ServerError(explain_error(e, target.where, bool(target.headers), s.auth_key_env)) from None
+        states = {m["name"]: m for m in index}
+        snapshot, ctl_error = None, target.no_controller_why or None
+        if target.controller_port:
+            try:
+                snapshot = fetch_controller(target.controller_port)
+                ctl_error = None
+            except (OSError, ValueError) as e:
+                ctl_error = f"http://127.0.0.1:{target.controller_port}/status: {_short(e)}"
+        seen = dict(snapshot.get("models") or {}) if snapshot else {}
+        names = list(seen) or list(target.models) or [n for n, m in states.items() if m.get("state")] or list(states)
+        models: dict[str, dict] = {}
+        history = _decision_log(target.decision_log) if snapshot is None else {}
+        for name in names:
+            entry = states.get(name, {})
+            m: dict[str, Any] = {"state": entry.get("state") or "NOT LOADED"}
+            if entry.get("reason"):
+                m["state_reason"] = entry["reason"]
+            if name in seen:
+                m.update(seen[name])
+            elif m["state"] == "READY":
+                try:
+                    live = settings_of(control.config(name))
+                    m.update(instances=live.instance_count, delay_us=live.max_queue_delay_us)
+                except Exception as e:  # noqa: BLE001
+                    m["error"] = _short(e)
+            if history.get(name):
+                m["log"] = history[name][-max(last, 1):]
+            models[name] = m
+    finally:
+        control.close()
+    doc: dict[str, Any] = {"time": time.time()}
+    if target.serve is not None:
+        st = target.serve
+        doc["source"] = {"kind": "serve", "pid": st.pid, "started": st.get("started"), "run_state": str(st.path),
+                         "phase": st.get("phase")}
+    else:
+        doc["source"] = {"kind": "config", "path": target.config_path}
+    doc["server"] = {"http_url": s.http_url, "grpc_url": s.grpc_url, "metrics_url": s.metrics_url}
+    doc["decision_log"] = (snapshot or {}).get("decision_log") or target.decision_log
+    doc["controller"] = None if snapshot is None else {k: v for k, v in snapshot.items() if k != "models"}
+    doc["controller_error"] = ctl_error
+    doc["models"] = models
+    return doc
+
+
+def _decision_log(path: str | None) -> dict[str, list[dict]]:
+    history: dict[str, list[dict]] = {}
+    if not path or not Path(path).exists():
+        return history
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return history
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            history.setdefault(rec.get("model"), []).append(rec)
+    return history
+
+
+# ---- text ---------------------------------------------------------------------------------------
+
+NOW_WHY = {"no_samples": "no data yet", "scrape_failed": "the metrics scrape failed", "too_few_samples": "collecting data",
+           "span_too_short": "collecting data since the last change", "server_unreachable": "the server does not answer"}
+
+
+def _dur(seconds: float | None) -> str:
+    """12 s, 3m 05s, 2h 10m."""
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+def _num(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "?"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _g(x: Any) -> str:
+    return "?" if x is None else f"{x:g}"
+
+
+def _settings(instances: Any, delay_us: Any) -> str:
+    plural = "" if instances == 1 else "s"
+    return f"{instances} instance{plural}, delay {delay_us} us"
+
+
+def _clock(wall: float | None) -> str:
+    return "?" if wall is None else time.strftime("%H:%M:%S", time.localtime(wall))
+
+
+def _change(fr: dict | None, to: dict | None) -> str:
+    if not to:
+        return "?"
+    if fr and fr.get("delay_us") == to.get("delay_us"):
+        return f"{fr.get('instances')} -> {_settings(to.get('instances'), to.get('delay_us'))}"
+    if fr:
+        return f"{_settings(fr.get('instances'), fr.get('delay_us'))} -> {_settings(to.get('instances'), to.get('delay_us'))}"
+    return "-> " + _settings(to.get("instances"), to.get("delay_us"))
+
+
+def format_header(doc: dict) -> list[str]:
+    src, srv, ctl = doc.get("source") or {}, doc.get("server") or {}, doc.get("controller")
+    where = f"HTTP {srv.get('http_url')}  gRPC {srv.get('grpc_url')}  metrics {srv.get('metrics_url')}"
+    if src.get("kind") == "serve":
+        up = _dur(doc.get("time", time.time()) - src["started"]) if src.get("started") else "?"
+        lines = [f"serve pid {src.get('pid')}, up {up}: {where}"]
+    else:
+        lines = [f"server from {src.get('path') or 'the default addresses'}: {where}"]
+    if ctl is not None:
+        tracing = ctl.get("tracing") or "?"
+        mode = "dry run (decides, changes nothing)" if ctl.get("dry_run") else "applies its changes"
+        lines.append(f"controller: up {_dur(ctl.get('uptime_s'))}, a tick every {_g(ctl.get('interval_s'))} s over a "
+                     f"{_g(ctl.get('window_s'))} s window, {mode}; tracing {tracing}")
+        if ctl.get("error"):
+            lines.append(f"controller error: {ctl['error']}")
+        if (ctl.get("tick_age_s") or 0) > 3 * (ctl.get("interval_s") or 1) + 5:
+            lines.append(f"controller: last tick {_dur(ctl['tick_age_s'])} ago (a slow scrape or reload?)")
+    else:
+        why = doc.get("controller_error")
+        lines.append("controller not reachable; showing the server's live configs only" + (f" ({why})" if why else ""))
+    if doc.get("decision_log"):
+        lines.append(f"decision log: {doc['decision_log']}")
+    return lines
+
+
+def format_model(name: str, m: dict, last: int = 3) -> list[str]:
+    """One aligned block per model."""
+    head = f"{name}  {m.get('state', '?')}"
+    if m.get("instances") is not None:
+        head += f"  {_settings(m['instances'], m.get('delay_us'))}"
+    if m.get("p99_target_ms") is not None:
+        head += f"  (target p99 {_num(m['p99_target_ms'], 0)} ms, {m.get('min_instances')}-{m.get('max_instances')} instances)"
+    if m.get("state_reason") and m.get("state") != "READY":
+        head += f": {m['state_reason']}"
+    rows: list[tuple[str, str]] = []
+    if m.get("error"):
+        rows.append(("error", m["error"]))
+    o = m.get("obs")
+    if "reason" in m:       # the controller's view
+        if o:
+            age = m.get("obs_age_s")
+            now = m.get("obs_now")
+            when = f"  (over {_num(o.get('span_s'))} s" + (f", {_dur(age)} ago" if age and age >= 1 else "") + ")"
+            if now:
+                when += f"; now: {NOW_WHY.get(now, now)}"
+            rows.append(("load", f"{_num(o.get('arrival_rps'))} req/s arriving, {_num(o.get('completion_rps'))} req/s done"
+                         + (f", {_num(o.get('failure_rps'), 2)} failing" if o.get("failure_rps") else "") + when))
+            if o.get("p99_ms") is not None:
+                source = o.get("p99_source", "?")
+                if o.get("p99_samples"):
+                    source += f", {o['p99_samples']} samples"
+                rows.append(("p99", f"{_num(o['p99_ms'], 2)} ms  from {source}  (tracing {m.get('tracing', '?')})"))
+            else:
+                none = "none: no requests in the window" if not o.get("completion_rps") else "none yet"
+                rows.append(("p99", f"{none} (tracing {m.get('tracing', '?')})"))
+            busy = o.get("busy")
+            if o.get("completion_rps"):
+                rows.append(("per request", f"queue {_num(o.get('queue_ms'), 2)} ms + compute {_num(o.get('compute_ms'), 2)} ms; "
+                             f"busy {'?' if busy is None else f'{100 * busy:.0f}%'}, {_num(o.get('avg_batch'), 2)} per batch"))
+            svc = o.get("service")
+            if svc and svc.get("alpha_ms") is not None:
+                rows.append(("service", f"{svc['alpha_ms']} + {svc['beta_ms']} x batch ms per execution "
+                             f"(r2 {svc.get('r2')}, {svc.get('executions')} executions)"))
+        else:
+            now = m.get("obs_now")
+            rows.append(("load", NOW_WHY.get(now, now) if now else "no observation yet"))
+        if m.get("capacity") is not None:
+            rows.append(("capacity", str(m["capacity"])))
+        if m.get("reason"):
+            text = f"{m['reason']} for {_dur(m.get('held_for_s'))}"
+            if m.get("detail"):
+                text += f": {m['detail']}"
+            if m.get("wants") and not m.get("reloading"):
+                text += f" (wants {_settings(m['wants'].get('instances'), m['wants'].get('delay_us'))})"
+            rows.append(("reason", text))
+        ch = m.get("last_change")
+        if ch:
+            text = f"{_clock(ch.get('time'))} ({_dur(ch.get('ago_s'))} ago) {_change(ch.get('from'), ch.get('to'))}: " \
+                   f"{ch.get('reason')} ({(ch.get('kind') or '?').replace('_', ' ')}, {_num(ch.get('apply_s'))} s)"
+            if not ch.get("ok", True):
+                text += f" FAILED: {ch.get('error')}"
+            rows.append(("last change", text))
+        else:
+            rows.append(("last change", "none since the controller started"))
+        r = m.get("reloading")
+        if r:
+            rows.append(("reloading", f"-> {_settings((r.get('to') or {}).get('instances'), (r.get('to') or {}).get('delay_us'))}: "
+                         f"{r.get('reason')} ({r.get('kind', '?').replace('_', ' ')}, {_dur(r.get('for_s'))} so far)"))
+        for rec in (m.get("recent") or [])[-last:] if last > 0 else []:
+            rows.append(("recent", _recent(rec)))
+    else:                   # the server's view only, and the decision log's last records
+        log = m.get("log") or []
+        seen = next((r for r in reversed(log) if (r.get("obs") or {}).get("p99_ms") is not None), None)
+        if seen is not None:
+            rows.append(("logged", describe_observation(seen)))
+        for rec in log[-last:] if last > 0 else []:
+            rows.append(("recent", _recent(rec)))
+    width = max((len(k) for k, _ in rows), default=0)
+    return [head] + [f"  {k:<{width}}  {v}" for k, v in rows]
+
+
+def _recent(rec: dict) -> str:
+    tgt = rec.get("target") or {}
+    line = f"{_clock(rec.get('time'))} {rec.get('action') or '?':8} {rec.get('reason') or '?':26} -> " \
+           f"{tgt.get('instances')} inst, {tgt.get('delay_us')} us"
+    if rec.get("detail"):
+        line += f"  {rec['detail']}"
+    if rec.get("error"):
+        line += f"  error: {rec['error']}"
+    return line
+
+
+def describe_observation(rec: dict) -> str:
+    """One line of what a decision-log record saw: "seen 12:00:01: 150 req/s, p99 12.3 ms (trace, 240 samples), ..."."""
+    o = rec.get("obs") or {}
+    source = o.get("p99_source", "?") + (f", {o['p99_samples']} samples" if o.get("p99_samples") else "")
+    parts = [f"{o.get('arrival_rps', 0):g} req/s", f"p99 {o['p99_ms']:g} ms ({source})",
+             f"queue {o.get('queue_ms', 0):g} ms, compute {o.get('compute_ms', 0):g} ms per request"]
+    svc = o.get("service")
+    if svc:
+        beta = "?" if svc.get("beta_ms") is None else f"{svc['beta_ms']:g}"
+        parts.append(f"service {svc.get('alpha_ms')} + {beta} x batch ms (r2 {svc.get('r2')}, {svc.get('executions')} executions)")
+    if rec.get("tracing"):
+        parts.append(f"tracing {rec['tracing']}")
+    return f"seen {_clock(rec.get('time'))}: " + "; ".join(parts)
+
+
+def format_text(doc: dict, last: int = 3) -> str:
+    lines = format_header(doc)
+    for name, m in (doc.get("models") or {}).items():
+        lines.append("")
+        lines.extend(format_model(name, m, last))
+    if not doc.get("models"):
+        lines += ["", "no models on the server"]
+    return "\n".join(lines)
+
+
+# ---- the verb -------------------------------------------------------------------------------------
+
+def resolve(config_path: str | None, pid: int | None, load) -> Target:
+    """The target: an explicit config wins; else the run-state of the one serve (or --pid)."""
+    if config_path is not None:
+        return target_from_config(load(config_path), str(config_path))
+    return target_from_state(runstate.choose(pid))
+
+
+def watch(render, every_s: float, out=None) -> int:
+    """Redraw `render()` every `every_s` s: in place on a terminal, else one block after another. Ctrl-C: 0."""
+    out = out or sys.stdout
+    tty = out.isatty()
+    try:
+        while True:
+            text = render()
+            if tty:
+                out.write("\x1b[H\x1b[2J" + text + "\n")
+            else:
+                out.write(text + "\n" + "-" * 40 + "\n")
+            out.flush()
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        if tty:
+            out.write("\n")
+        return 0
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(str(getattr(e, "reason", None) or e).split())[:200]
+
+
+__all__ = ["Target", "gather", "format_text", "format_model", "format_header", "resolve", "watch",
+           "target_from_state", "target_from_config", "describe_observation", "read_key", "server_config_from_state"]
