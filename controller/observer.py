@@ -180,10 +180,10 @@ class TraceFeed:
         """Turn tracing on for `model`, or change its rate when the arrival rate moved enough."""
         if not self.on:
             return
-        wanted = choose_sampling(arrival_rps or 0.0, self.samples_per_s)
+        if arrival_rps is None:
+            return    # why: no rate yet (start) or no data this tick: tracing every request at 400 req/s would cost
+        wanted = choose_sampling(arrival_rps, self.samples_per_s)
         current = self.sampling.get(model)
-        if current is not None and arrival_rps is None:
-            return    # why: no fresh rate (no data this tick): keep what the server has
         recheck = now - self._checked_at.get(model, -1e18) >= self.RECHECK_S
         if current is not None and not needs_change(current, wanted) and not recheck:
             return

@@ -308,3 +308,14 @@ def test_a_slow_tick_is_not_followed_by_a_burst_of_catch_up_ticks():
     ctl.run(FakeStop(clock), max_ticks=6)
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps[1] == pytest.approx(3.5) and all(g >= 1.0 - 1e-9 for g in gaps), gaps
+
+
+def test_tracing_waits_for_a_measured_rate_before_choosing_one():
+    """Not every request of a busy model at start-up: the first setting follows a measured arrival rate."""
+    clock = Clock()
+    api = FakeTraceApi()
+    ctl, _, _ = make(["m"], {"m": FakeModel(400, 5, 4)}, clock, traces=TraceFeed(api, files_factory=FakeFiles))
+    run_ticks(ctl, clock, 1)
+    assert api.settings == {}                              # one sample: no rate yet
+    run_ticks(ctl, clock, 1)
+    assert api.settings["m"]["trace_rate"] == "20"         # 400 req/s / 20 samples per second
