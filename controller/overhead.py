@@ -5,8 +5,11 @@ off / on / off / on (`rounds` times each, so drift on a noisy machine hits both 
 
 * a **steady** phase at `steady_rps` (below capacity): the client-side p50/p99 tell what tracing
   adds to each request's latency;
-* an **overload** phase at `overload_rps` (above what one instance serves): completions per second
-  there are the server's throughput, so on/off is tracing's throughput cost.
+* an **overload** phase at `overload_rps`: if that is above what the model serves, completions per
+  second there are the server's throughput and on/off is tracing's throughput cost (if the load
+  generator cannot drive that much, completions equal the offered rate: the report shows it);
+* the tritonserver process's own CPU time per request (it writes the traces), on vs off: a cost
+  figure that needs no saturation.
 
 With tracing on, the controller's own `TraceFeed` sets the model's trace rate exactly as the
 controller does (about `samples_per_s` sampled requests a second, adapted each second to the
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench import _proc_cpu_s
 from .loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync, summarize
 from .types import Settings
 
@@ -75,6 +79,7 @@ def _arm(opts: OverheadOptions, tracing: bool, schedule: np.ndarray, trace) -> d
                     read["rates"].add(feed.sampling[opts.model].rate)
 
         follower = threading.Thread(target=follow, daemon=True) if feed is not None else None
+        cpu0 = _proc_cpu_s(server.process.pid)
         if follower is not None:
             feed.start()
             feed.adapt(opts.model, trace.rate_at(0.0), time.monotonic())
@@ -82,6 +87,7 @@ def _arm(opts: OverheadOptions, tracing: bool, schedule: np.ndarray, trace) -> d
         try:
             records = run_open_loop_sync(server.grpc_url, opts.model, schedule, make_inputs, protocol="grpc",
                                          timeout_s=10.0)
+            cpu1 = _proc_cpu_s(server.process.pid)
         finally:
             done.set()
             if follower is not None:
@@ -91,7 +97,11 @@ def _arm(opts: OverheadOptions, tracing: bool, schedule: np.ndarray, trace) -> d
     steady = s.phases[0]
     return {"tracing": tracing, "steady_p50_ms": steady.p50_ms, "steady_p99_ms": steady.p99_ms,
             "overload_completed_rps": _completed_rps(records, trace.phases[1]),
-            "failed": s.totals.failed, "samples_read": read["samples"] if tracing else 0,
+            "failed": s.totals.failed,
+            # the tritonserver process itself (frontends, scheduler, trace writer), not the model's stub processes
+            "server_cpu_ms_per_request": (None if cpu0 is None or cpu1 is None or not s.totals.ok else
+                                          1000.0 * (cpu1 - cpu0) / s.totals.ok),
+            "samples_read": read["samples"] if tracing else 0,
             "trace_rates": sorted(read["rates"]) if tracing else []}
 
 
@@ -104,6 +114,9 @@ def _completed_rps(records, phase) -> float:
     from 22 s to 35 s -> 320/s."""
     start, end = phase.start_s + OVERLOAD_SKIP_S, phase.start_s + phase.duration_s
     return sum(1 for r in records if r.ok and r.done_s is not None and start <= r.done_s < end) / (end - start)
+
+
+KEYS = ("steady_p50_ms", "steady_p99_ms", "overload_completed_rps", "server_cpu_ms_per_request")
 
 
 def run_trace_overhead(opts: OverheadOptions, log=print) -> dict:
@@ -127,10 +140,11 @@ def run_trace_overhead(opts: OverheadOptions, log=print) -> dict:
     doc = {"model": opts.model, "settings": dataclasses.asdict(opts.settings), "steady_rps": opts.steady_rps,
            "overload_rps": opts.overload_rps, "rounds": opts.rounds, "samples_per_s": opts.samples_per_s,
            "requests_per_run": int(len(schedule)), "runs": runs,
-           "off": {k: round(mean(k, False), 2) for k in ("steady_p50_ms", "steady_p99_ms", "overload_completed_rps")},
-           "on": {k: round(mean(k, True), 2) for k in ("steady_p50_ms", "steady_p99_ms", "overload_completed_rps")}}
+           "off": {k: round(mean(k, False), 3) for k in KEYS},
+           "on": {k: round(mean(k, True), 3) for k in KEYS}}
     doc["throughput_on_vs_off"] = round(doc["on"]["overload_completed_rps"] / doc["off"]["overload_completed_rps"], 4)
     doc["steady_p99_on_vs_off"] = round(doc["on"]["steady_p99_ms"] / doc["off"]["steady_p99_ms"], 4)
+    doc["server_cpu_on_vs_off"] = round(doc["on"]["server_cpu_ms_per_request"] / doc["off"]["server_cpu_ms_per_request"], 4)
     doc["failed_requests"] = sum(r["failed"] for r in runs)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "trace_overhead.json").write_text(json.dumps(doc, indent=1))
@@ -143,5 +157,7 @@ def format_overhead(doc: dict) -> str:
             f"  overload throughput ({doc['overload_rps']:g} req/s offered): off {doc['off']['overload_completed_rps']:.1f}/s, "
             f"on {doc['on']['overload_completed_rps']:.1f}/s, on/off {doc['throughput_on_vs_off']:.3f}\n"
             f"  steady p99 ({doc['steady_rps']:g} req/s): off {doc['off']['steady_p99_ms']:.1f} ms, "
-            f"on {doc['on']['steady_p99_ms']:.1f} ms, on/off {doc['steady_p99_on_vs_off']:.3f}; "
+            f"on {doc['on']['steady_p99_ms']:.1f} ms, on/off {doc['steady_p99_on_vs_off']:.3f}\n"
+            f"  tritonserver CPU per request: off {doc['off']['server_cpu_ms_per_request']:.3f} ms, "
+            f"on {doc['on']['server_cpu_ms_per_request']:.3f} ms, on/off {doc['server_cpu_on_vs_off']:.3f}; "
             f"failed requests {doc['failed_requests']}")
