@@ -166,3 +166,28 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
         assert abs(float(np.median(errors))) <= 0.35, (rate, errors)
     from controller.traces import TraceApi
     assert TraceApi(sim_server.http_url).setting(MODEL)["trace_level"] == ["OFF"]     # turned off on the way out
+
+
+def test_a_server_without_a_trace_file_falls_back_once_and_keeps_deciding(tmp_path, caplog):
+    """The NGC recipe before the user adds the flag: the controller says so once and uses the counters' estimate."""
+    import logging
+    caplog.set_level(logging.WARNING)
+    server = start_server([MODEL], trace_file=False)
+    try:
+        cfg = _config(server, tmp_path / "d.jsonl")
+        stop = threading.Event()
+        controller, threads, _ = _run_controller(cfg, stop)
+        try:
+            results: list = []
+            _load(server, rate_rps=60, seconds=8, results=results)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+            controller.close()
+    finally:
+        server.stop()
+    assert controller.traces.state.startswith("off: the server was started without a trace file")
+    assert sum("request tracing off" in r.message for r in caplog.records) == 1
+    sources = {r["obs"].get("p99_source") for r in _records(tmp_path / "d.jsonl") if r["obs"].get("p99_ms") is not None}
+    assert sources and "trace" not in sources, sources
