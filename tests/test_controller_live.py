@@ -3,6 +3,7 @@ each execution waits on a simulated device (see model_repository/sim_accel/1/mod
 instances help the way they do on a GPU that idles between executions."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -43,12 +44,13 @@ def _load(server, rate_rps: float, seconds: float, results: list):
     results.extend(run_open_loop_sync(server.grpc_url, MODEL, schedule, inputs_from_config(cfg), timeout_s=10.0))
 
 
-def _run_controller(cfg: ControllerConfig, stop: threading.Event) -> tuple[Controller, threading.Thread, list]:
+@contextlib.contextmanager
+def running_controller(cfg: ControllerConfig):
+    """A Controller running in a thread, with the instance counts it held sampled every 0.25 s;
+    stopped, joined and closed on the way out."""
     controller = Controller(cfg)
     counts: list[tuple[float, int]] = []
-
-    def run():
-        controller.run(stop)
+    stop = threading.Event()
 
     def watch():
         while not stop.wait(0.25):
@@ -56,10 +58,16 @@ def _run_controller(cfg: ControllerConfig, stop: threading.Event) -> tuple[Contr
             if mm and mm.current:
                 counts.append((time.monotonic(), mm.current.instance_count))
 
-    threads = [threading.Thread(target=run), threading.Thread(target=watch)]
+    threads = [threading.Thread(target=controller.run, args=(stop,)), threading.Thread(target=watch)]
     for t in threads:
         t.start()
-    return controller, threads, counts
+    try:
+        yield controller, counts
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        controller.close()
 
 
 def _records(path) -> list[dict]:
@@ -70,9 +78,7 @@ def test_instances_rise_under_load_and_fall_after_with_no_failed_request(sim_ser
     log_path = tmp_path / "decisions.jsonl"
     act = Actuator(TritonControl(sim_server.grpc_url, sim_server.http_url))
     assert act.apply(MODEL, Settings(1, 0)).ok
-    stop = threading.Event()
-    controller, threads, counts = _run_controller(_config(sim_server, log_path), stop)
-    try:
+    with running_controller(_config(sim_server, log_path)) as (controller, counts):
         results: list = []
         _load(sim_server, rate_rps=220, seconds=25, results=results)
         peak = max(c for _, c in counts)
@@ -80,11 +86,6 @@ def test_instances_rise_under_load_and_fall_after_with_no_failed_request(sim_ser
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and controller.models[MODEL].current.instance_count > 1:
             time.sleep(0.5)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        controller.close()
     failed = [r for r in results if not r.ok]
     assert results and not failed, failed[:3]
     assert peak >= 2, counts
@@ -103,16 +104,9 @@ def test_dry_run_decides_but_changes_nothing(sim_server, tmp_path):
     log_path = tmp_path / "dry.jsonl"
     act = Actuator(TritonControl(sim_server.grpc_url, sim_server.http_url))
     assert act.apply(MODEL, Settings(1, 0)).ok
-    stop = threading.Event()
-    controller, threads, counts = _run_controller(_config(sim_server, log_path, dry_run=True), stop)
-    try:
+    with running_controller(_config(sim_server, log_path, dry_run=True)) as (controller, counts):
         results: list = []
         _load(sim_server, rate_rps=220, seconds=12, results=results)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        controller.close()
     records = _records(log_path)
     assert any(r["action"] == "dry_run" and r["reason"].startswith("ScaleUp") for r in records), \
         [(r["action"], r["reason"]) for r in records]
@@ -133,9 +127,7 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
     cfg = _config(sim_server, tmp_path / "decisions.jsonl", dry_run=True)
     cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, interval_s=1.0, window_s=5.0,
                                                             observation_log=str(obs_log)))
-    stop = threading.Event()
-    controller, threads, _ = _run_controller(cfg, stop)
-    try:
+    with running_controller(cfg) as (controller, _):
         phases = []
         for rate in (40, 160):
             results: list = []
@@ -143,11 +135,6 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
             _load(sim_server, rate_rps=rate, seconds=12, results=results)
             phases.append((rate, wall0, results))
         time.sleep(1.5)                       # one more tick reads the last files
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        controller.close()
     records = [r for r in _records(obs_log) if r["model"] == MODEL and r["obs"].get("p99_ms") is not None]
     for rate, wall0, results in phases:
         assert results and all(r.ok for r in results)
@@ -175,16 +162,8 @@ def test_a_server_without_a_trace_file_falls_back_once_and_keeps_deciding(tmp_pa
     server = start_server([MODEL], trace_file=False)
     try:
         cfg = _config(server, tmp_path / "d.jsonl")
-        stop = threading.Event()
-        controller, threads, _ = _run_controller(cfg, stop)
-        try:
-            results: list = []
-            _load(server, rate_rps=60, seconds=8, results=results)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join()
-            controller.close()
+        with running_controller(cfg) as (controller, _):
+            _load(server, rate_rps=60, seconds=8, results=[])
     finally:
         server.stop()
     assert controller.traces.state.startswith("off: the server was started without a trace file")
