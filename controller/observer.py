@@ -151,6 +151,7 @@ class TraceFeed:
         self.state = "starting" if api is not None else "off: disabled in the configuration"
         self.sampling: dict[str, TraceSampling] = {}
         self._checked_at: dict[str, float] = {}
+        self._failing: set[str] = set()        # models whose last settings call failed (warned once per streak)
         self._traffic_since: float | None = None
         self._seen_any = False
 
@@ -196,8 +197,13 @@ class TraceFeed:
                 log.info("%s: its trace setting was reset (server restart?); turning it on again", model)
             self.api.set_model(model, level="TIMESTAMPS", rate=wanted.rate, log_frequency=wanted.log_frequency)
         except TraceApiError as e:
-            log.warning("%s: cannot set its trace setting (%s); will retry", model, e)
+            if model not in self._failing:
+                log.warning("%s: cannot set its trace setting (%s); will retry", model, e)
+            self._failing.add(model)
             return
+        if model in self._failing:
+            log.info("%s: trace setting applied again", model)
+            self._failing.discard(model)
         self.sampling[model] = wanted
         self._checked_at[model] = now
 

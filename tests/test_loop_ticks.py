@@ -267,20 +267,21 @@ def test_a_trace_file_error_turns_tracing_off_and_the_loop_goes_on():
     assert api.offs == ["m"] and ctl.models["m"].last_obs.p99_source == "mean_x_tail_ratio"
 
 
-def test_trace_settings_api_errors_are_retried_not_raised():
+def test_trace_settings_api_errors_are_retried_not_raised_and_warned_once(caplog):
     clock = Clock()
     api = FakeTraceApi()
     calls = {"n": 0}
 
     def flaky(model, **kw):
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] <= 3:
             raise TraceApiError("HTTP 503")
         return FakeTraceApi.set_model(api, model, **kw)
     api.set_model = flaky
     ctl, _, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, traces=TraceFeed(api, files_factory=FakeFiles))
-    run_ticks(ctl, clock, 4)
-    assert calls["n"] >= 2 and "m" in api.settings
+    run_ticks(ctl, clock, 6)
+    assert calls["n"] >= 4 and "m" in api.settings
+    assert sum("cannot set its trace setting" in r.message for r in caplog.records) == 1
 
 
 class FakeStop:
