@@ -2,15 +2,28 @@
 
 Device choice: an instance Triton made KIND_GPU runs on `cuda:<model_instance_device_id>`
 (its own device); a KIND_CPU instance, or a GPU instance where torch sees no CUDA, runs on
-the CPU with `cpu_count // total instances` torch threads (at least 1), so that several
-instances do not oversubscribe the cores. Each `execute` call runs every well-formed request
-of the batch in one forward pass; a malformed request gets its own error response.
+the CPU with `cpu_count // live instances` torch threads (at least 1), so that several
+instances do not oversubscribe the cores.
+
+The number of live instances is NOT read from the config: after an in-place instance update the
+running instances keep the config of their own load (a stale count). Instead every CPU instance
+registers its stub process in a small shared folder (`$RESNET_TINY_DIR`, else
+`<tmp>/resnet_tiny_<tritonserver pid>/<model name>/`, one empty file per stub pid, removed in
+finalize) and, at most once a second at the start of an `execute`, counts the entries whose
+process is still alive (a killed stub's file is ignored and removed). Instances added or removed
+in place are therefore seen by the old ones within a second of their next batch. The
+`cpu_threads_per_instance` parameter, if set, overrides the budget.
+
+Each `execute` call runs every well-formed request of the batch in one forward pass; a malformed
+request gets its own error response. If that forward pass raises, the requests are run again one
+by one: the good ones are answered and each one that still fails gets its own error.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.dont_write_bytecode = True  # a __pycache__ in the version folder would turn count changes into full reloads
@@ -29,6 +42,52 @@ def _param(config: dict, key: str, default: str) -> str:
     return config.get("parameters", {}).get(key, {}).get("string_value", default)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:   # a zombie (killed, not yet reaped) is not a live instance
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class SiblingRegistry:
+    """Live stub processes of this model on this server: one file per pid in a shared folder."""
+
+    def __init__(self, model_name: str):
+        base = os.environ.get("RESNET_TINY_DIR") or os.path.join(tempfile.gettempdir(), f"resnet_tiny_{os.getppid()}")
+        self.dir = os.path.join(base, model_name)
+        os.makedirs(self.dir, exist_ok=True)
+        self.path = os.path.join(self.dir, str(os.getpid()))
+        with open(self.path, "w"):
+            pass
+
+    def count(self) -> int:
+        live = 0
+        for name in os.listdir(self.dir):
+            if not name.isdigit():
+                continue
+            if _alive(int(name)):
+                live += 1
+            else:
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except OSError:
+                    pass
+        return max(1, live)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -42,9 +101,14 @@ class TritonPythonModel:
             if kind == "GPU":
                 pb_utils.Logger.log_warn(f"{self.instance_name}: KIND_GPU but torch has no CUDA; running on CPU")
             self.device = torch.device("cpu")
-            total = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
-            threads = int(_param(config, "cpu_threads_per_instance", "0")) or max(1, (os.cpu_count() or 1) // total)
-            torch.set_num_threads(threads)
+        self.fixed_threads = int(_param(config, "cpu_threads_per_instance", "0"))
+        self.siblings = SiblingRegistry(self.model_name) if self.device.type == "cpu" and not self.fixed_threads else None
+        self.threads, self._threads_checked = 0, 0.0
+        if self.device.type == "cpu":
+            self._budget_threads(force=True)
+        # fault injection for the tests only: with the config parameter `fault_injection: "1"`, a request carrying
+        # the request parameter `fail_forward: true` makes the forward pass of its batch raise
+        self.fault_injection = _param(config, "fault_injection", "0") == "1"
         weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights.pt")
         self.net = network.build(int(_param(config, "seed", "0")), weights).to(self.device)
         self.max_batch = int(config.get("max_batch_size", 0)) or 1
@@ -60,6 +124,9 @@ class TritonPythonModel:
         self.m_items = self.fam_items.Metric(labels=labels)
         self.m_us = self.fam_us.Metric(labels=labels)
         self.m_batch = self.fam_batch.Metric(labels=labels)
+        self.fam_threads = pb_utils.MetricFamily("model_torch_threads", "torch intra-op threads of this instance", pb_utils.MetricFamily.GAUGE)
+        self.m_threads = self.fam_threads.Metric(labels=labels)
+        self.m_threads.set(self.threads)
         pb_utils.Logger.log_info(f"{self.instance_name}: resnet_tiny on {self.device}")
 
     def _validate(self, request) -> np.ndarray | str:
@@ -75,29 +142,69 @@ class TritonPythonModel:
             return "INPUT contains NaN or Inf"
         return x
 
+    def _budget_threads(self, force: bool = False) -> None:
+        """torch threads = cpu_count // live sibling instances, re-counted at most once a second."""
+        now = time.monotonic()
+        if not force and now - self._threads_checked < 1.0:
+            return
+        self._threads_checked = now
+        threads = self.fixed_threads or max(1, (os.cpu_count() or 1) // self.siblings.count())
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+            if hasattr(self, "m_threads"):
+                self.m_threads.set(threads)
+
+    def _wants_failure(self, request) -> bool:
+        if not self.fault_injection:
+            return False
+        try:
+            return bool(json.loads(request.parameters() or "{}").get("fail_forward"))
+        except (ValueError, AttributeError):
+            return False
+
+    def _forward(self, xs: list[np.ndarray], reqs: list) -> np.ndarray:
+        if any(self._wants_failure(r) for r in reqs):
+            raise RuntimeError("injected failure in the forward pass (fault_injection)")
+        batch = torch.from_numpy(np.concatenate(xs)).to(self.device)
+        with torch.inference_mode():
+            return self.net(batch).float().cpu().numpy()
+
     def execute(self, requests):
+        if self.device.type == "cpu":
+            self._budget_threads()
         checked = [self._validate(r) for r in requests]
-        good = [x for x in checked if not isinstance(x, str)]
-        outputs = []
+        results: list = list(checked)            # per request: an error text or its logits
+        good = [i for i, x in enumerate(checked) if not isinstance(x, str)]
         if good:
             t0 = time.perf_counter()
-            batch = torch.from_numpy(np.concatenate(good)).to(self.device)
-            with torch.inference_mode():
-                logits = self.net(batch).float().cpu().numpy()
+            try:
+                logits = self._forward([checked[i] for i in good], [requests[i] for i in good])
+                offsets = np.cumsum([0] + [len(checked[i]) for i in good])
+                for i, a, b in zip(good, offsets[:-1], offsets[1:]):
+                    results[i] = logits[a:b]
+            except Exception as e:  # noqa: BLE001 - one bad request must not fail the batch: retry one by one
+                pb_utils.Logger.log_warn(f"{self.instance_name}: forward pass of a batch of {len(good)} raised "
+                                         f"({e}); retrying its requests one by one")
+                for i in good:
+                    try:
+                        results[i] = self._forward([checked[i]], [requests[i]])
+                    except Exception as e1:  # noqa: BLE001
+                        results[i] = f"forward pass failed: {type(e1).__name__}: {e1}"
             elapsed_us = (time.perf_counter() - t0) * 1e6
             self.m_exec.increment(1)
             self.m_items.increment(len(good))
             self.m_us.increment(elapsed_us)
             self.m_batch.set(len(good))
-            offsets = np.cumsum([0] + [len(x) for x in good])
-            outputs = [logits[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-        responses, it = [], iter(outputs)
-        for x in checked:
-            if isinstance(x, str):
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(x)))
+        responses = []
+        for r in results:
+            if isinstance(r, str):
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(r)))
             else:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("LOGITS", next(it))]))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("LOGITS", r)]))
         return responses
 
     def finalize(self):
+        if self.siblings is not None:
+            self.siblings.close()
         self.net = None

@@ -123,9 +123,11 @@ class TritonPythonModel:
             t0 = time.perf_counter()
             time.sleep(self.overhead_s + self.host_per_item_s * items)   # host side: device free
             fd = self.device.acquire()
-            t_dev = time.perf_counter()
-            time.sleep(self.base_s + self.per_item_s * items)  # device side: one slot held
-            self.device.release(fd)
+            try:
+                t_dev = time.perf_counter()
+                time.sleep(self.base_s + self.per_item_s * items)  # device side: one slot held
+            finally:
+                self.device.release(fd)   # why: a slot kept after an exception would starve every instance
             t1 = time.perf_counter()
             self.m_busy.increment((t1 - t_dev) * 1e6)
             self.m_exec.increment(1)
