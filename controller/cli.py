@@ -201,15 +201,21 @@ def _start_controller(cfg: ControllerConfig, port: int | None):
     from .loop import Controller
     controller = Controller(cfg)
     endpoint = None
+    host = cfg.loop.metrics_address
     if port is not None:
         try:
-            endpoint = controller.metrics.serve(port, status=controller.status_snapshot)
+            # why: an address other than loopback is only ever the config's explicit choice
+            endpoint = controller.metrics.serve(port, host, status=controller.status_snapshot, allow_remote=True)
         except OSError as e:
             controller.close()
-            raise ServerError(f"cannot serve the controller's metrics on 127.0.0.1:{port}: {e.strerror or e} "
+            raise ServerError(f"cannot serve the controller's metrics on {host}:{port}: {e.strerror or e} "
                               "(choose another with --controller-metrics-port or controller.metrics_port)") from None
-        log.info("controller metrics and status on http://127.0.0.1:%d/metrics and /status", endpoint.port)
+        log.info("controller metrics and status on http://%s:%d/metrics and /status", _hostport(host), endpoint.port)
     return controller, endpoint
+
+
+def _hostport(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _run_controller(controller, endpoint, stop: threading.Event) -> None:

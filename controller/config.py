@@ -15,6 +15,7 @@ Every default lives in the dataclasses below (this is the one place). A YAML fil
       dry_run: false
       decision_log: decisions.jsonl
       metrics_port: 9109              # 0: no Prometheus endpoint
+      metrics_address: 127.0.0.1      # an IP address; 0.0.0.0 exposes /metrics and /status (a sidecar)
       gpu: auto                       # auto | nvml | simulated | none
       tracing: true                   # p99 from sampled request traces (needs the server's trace file)
     defaults:                         # apply to every model unless overridden below
@@ -68,6 +69,7 @@ class LoopConfig:
     dry_run: bool = False               # decide and log, apply nothing
     decision_log: str | None = None     # JSONL file; None: none
     metrics_port: int = 0               # the controller's own Prometheus endpoint; 0: off
+    metrics_address: str = "127.0.0.1"  # where it binds; another address (a sidecar: 0.0.0.0) exposes /metrics and /status
     gpu: str = "auto"                   # auto | nvml | simulated | none
     simulated_device_memory_mb: float = 2048.0   # device size when gpu: simulated
     reload_timeout_s: float = 120.0
@@ -183,6 +185,14 @@ def _check_limits(limits: ModelLimits, path: str) -> ModelLimits:
     return limits
 
 
+def _check_address(path: str, value: str) -> None:
+    import ipaddress
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ConfigError(f"{path}: must be an IP address (127.0.0.1, 0.0.0.0, ::), got {value!r}") from None
+
+
 def parse_config(raw: Any) -> ControllerConfig:
     """Validate a parsed YAML document (a mapping, or None for all defaults)."""
     if raw is None:
@@ -197,6 +207,7 @@ def parse_config(raw: Any) -> ControllerConfig:
     loop = _build(LoopConfig, raw.get("controller"), "controller")
     if loop.interval_s > loop.window_s:
         raise ConfigError(f"controller.interval_s: must be <= window_s ({loop.window_s:g}), got {loop.interval_s:g}")
+    _check_address("controller.metrics_address", loop.metrics_address)
     if loop.window_s < loop.min_span_s:
         raise ConfigError(f"controller.window_s: must be >= min_span_s ({loop.min_span_s:g}), got {loop.window_s:g}")
     defaults = _check_limits(_build(ModelLimits, raw.get("defaults"), "defaults"), "defaults")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import capacity as capacity_mod
 from . import policy
 from .arbiter import ModelView, arbitrate
 from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
@@ -44,6 +45,8 @@ from .traces import TraceApi
 from .types import Decision, GpuObservation, Observation, Settings
 
 log = logging.getLogger("controller.loop")
+
+CAPACITY_STALE_WINDOWS = 3      # a capacity figure outlives missing data (a reload) this many windows
 
 
 @dataclass
@@ -73,6 +76,8 @@ class ManagedModel:
     reachable: bool = True
     pending: PendingChange | None = None
     history: list[dict] = field(default_factory=list)   # recent decision records, newest last
+    capacity: "capacity_mod.Capacity | None" = None      # the fleet scaler's figure (controller/capacity.py) ...
+    capacity_t: float | None = None                     # ... as of then (kept through short gaps in the data)
 
     @property
     def last_obs(self) -> Observation | None:
@@ -260,6 +265,7 @@ class Controller:
                 decided[mm.name] = d
         for name, (decision, obs) in self._arbitrate(decided).items():
             self._act(self.models[name], decision, obs, now)
+        self._export_capacity()
         for mm in self.models.values():
             obs = mm.last_obs
             self.traces.adapt(mm.name, obs.arrival_rps if obs is not None and obs.valid else None, now)
@@ -307,7 +313,26 @@ class Controller:
             per = counters.custom.get(SIM_MEMORY_METRIC, 0) / max(1, mm.current.instance_count)
             mm.state = policy.with_reported_instance_memory(mm.state, per)
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size)
+        self._update_capacity(mm, obs, decision, now)
         return decision, obs
+
+    def _update_capacity(self, mm: ManagedModel, obs: Observation, decision: Decision, now: float) -> None:
+        """This model's use of the pod's capacity at its ceiling (controller/capacity.py). Without a valid
+        observation the last figure stays for up to CAPACITY_STALE_WINDOWS windows, then goes (absent)."""
+        ceiling, _ = policy.instance_ceiling(mm.current, mm.limits, mm.state, obs, now)
+        cap = capacity_mod.utilization(obs, mm.current, ceiling, mm.limits.p99_target_ms, mm.state.perf,
+                                       decision.held_by)
+        if cap is not None:
+            mm.capacity, mm.capacity_t = cap, now
+        elif mm.capacity_t is None or now - mm.capacity_t > CAPACITY_STALE_WINDOWS * self.config.loop.window_s:
+            mm.capacity, mm.capacity_t = None, None
+
+    def _export_capacity(self) -> None:
+        for mm in self.models.values():
+            if not mm.reachable:
+                mm.capacity, mm.capacity_t = None, None
+            self.metrics.capacity_of(mm.name, mm.capacity)
+        self.metrics.pod_capacity_of(capacity_mod.pod_utilization(mm.capacity for mm in self.models.values()))
 
     def _arbitrate(self, decided: dict[str, tuple[Decision, Observation]]) -> dict[str, tuple[Decision, Observation]]:
         """Let a model held by the shared memory budget take an instance from an idle or lower-priority one."""
@@ -535,7 +560,7 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
                                              "since_t": p.since},
         "recent": [{k: r.get(k) for k in ("time", "action", "reason", "detail", "current", "target", "kind", "error")}
                    for r in mm.history[-5:]],
-        "capacity": None,                                    # the planner's predicted capacity, when it lands
+        "capacity": None if mm.capacity is None else mm.capacity.as_dict(),   # the fleet scaler's figure
     }
 
 

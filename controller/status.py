@@ -284,7 +284,14 @@ def format_model(name: str, m: dict, last: int = 3) -> list[str]:
             now = m.get("obs_now")
             rows.append(("load", NOW_WHY.get(now, now) if now else "no observation yet"))
         if m.get("capacity") is not None:
-            rows.append(("capacity", str(m["capacity"])))
+            c = m["capacity"]
+            if isinstance(c, dict):
+                text = (f"{_num(c.get('utilization'), 2)} of this pod's capacity at {c.get('ceiling')} instance(s)"
+                        + (f" ({_num(c.get('capacity_rps'), 1)} req/s, {c.get('source')})" if c.get("capacity_rps") else "")
+                        + ("; SATURATED" if c.get("saturated") else ""))
+            else:
+                text = str(c)
+            rows.append(("capacity", text))
         if m.get("reason"):
             text = f"{m['reason']} for {_dur(m.get('held_for_s'))}"
             if m.get("detail"):
