@@ -277,7 +277,10 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
                    None)
         follow.append({**step, "follow_s": lag})
     busy = [o for o in observations if (o.get("arrival_rps") or 0) >= min_rps and o.get("p99_ms") is not None]
+    readings = [[round(o["t_s"], 2), o["p99_ms"], o["p99_source"]] for o in observations
+                if o.get("p99_ms") is not None and 0 <= o["t_s"] <= trace.duration_s]
     return {"tolerance": tolerance, "readings_matched": len(matched), "p99_error_by_phase": by_phase,
+            "readings": readings,
             "step_follow_s": follow,
             "trace_share_busy": _round(sum(o["p99_source"] == "trace" for o in busy) / len(busy), 3) if busy else None}
 
@@ -668,6 +671,10 @@ def plot_timeline(trace: Trace, summary: dict, bins: dict[str, list[dict]], path
         tx = [max(0.0, e["t"]) for e in ev] + [trace.duration_s]
         axes[3].step(tx, [e["instances"] for e in ev] + [ev[-1]["instances"]], where="post", color=c, label=name)
         axes[4].step(tx, [e["delay_us"] for e in ev] + [ev[-1]["delay_us"]], where="post", color=c, label=name)
+    readings = (summary.get("signal") or {}).get("readings") or []
+    if readings:
+        axes[2].plot([r[0] for r in readings], [r[1] for r in readings], ".", color="black", markersize=3,
+                     label="controller's p99 reading (adaptive)")
     axes[2].axhline(sla_ms, color="red", linestyle=":", linewidth=1, label=f"SLA {sla_ms:g} ms")
     axes[2].set_yscale("log")
     titles = ["offered rate (req/s)", "goodput (req/s within SLA)", "p99 (ms, per 1-s bin)", "instances",

@@ -304,3 +304,45 @@ def test_bench_end_to_end_tiny_scenario(tmp_path, capsys):
     assert (out / "timeline.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "adaptive_vs_default" in printed and "best_static" in printed
+
+
+# -- the controller's latency reading vs the clients' (issue 9) ------------------------------------
+
+def _signal_case(wrong_after_step: int = 2, error: float = 0.1):
+    from controller.loadgen import RequestRecord, load_trace
+    trace = load_trace({"phases": [{"name": "a", "duration_s": 10, "rate_rps": 100},
+                                   {"name": "b", "duration_s": 10, "rate_rps": 200}]})
+    records = [RequestRecord(t, t, t + 0.010, True, None) for t in np.arange(0, 10, 0.01)]
+    records += [RequestRecord(t, t, t + 0.020, True, None) for t in np.arange(10, 20, 0.005)]
+    observations = []
+    for k in range(1, 21):
+        t = float(k)
+        true_ms = 10.0 if t <= 10 else 20.0
+        stale = 10 < t <= 10 + wrong_after_step          # readings that still show the old level
+        observations.append({"t_s": t, "span_s": 1.0, "arrival_rps": 100.0 if t <= 10 else 200.0,
+                             "p99_ms": 10.0 if stale else true_ms * (1 + error),
+                             "p99_source": "trace" if k != 1 else "mean_x_tail_ratio"})
+    return observations, records, trace
+
+
+def test_signal_accuracy_matches_each_reading_to_the_clients_of_the_same_seconds():
+    from controller.bench import signal_accuracy
+    observations, records, trace = _signal_case()
+    doc = signal_accuracy(observations, records, trace)
+    a, b = doc["p99_error_by_phase"]["a"], doc["p99_error_by_phase"]["b"]
+    assert a["median_abs_error"] == pytest.approx(0.1, abs=0.01) and a["within_tolerance"] is True
+    assert a["client_p99_ms"] == pytest.approx(10.0, abs=0.01) and a["trace_share"] == pytest.approx(8 / 9, abs=1e-3)
+    # the two stale readings after the step read 10 ms where clients saw 20: error -0.5, but the median holds
+    assert b["readings"] == 10 and b["within_tolerance"] is True
+    assert doc["step_follow_s"] == [dict(doc["step_follow_s"][0], follow_s=3.0)]   # 3rd reading after the step
+    assert doc["trace_share_busy"] == pytest.approx(19 / 20)
+    assert len(doc["readings"]) == 20
+
+
+def test_signal_targets_say_missed_when_a_phase_reads_wrong():
+    from controller.bench import evaluate_signal_targets, signal_accuracy
+    observations, records, trace = _signal_case(wrong_after_step=10, error=0.0)   # never follows the step
+    targets = evaluate_signal_targets(signal_accuracy(observations, records, trace))
+    assert targets["p99_within_20pct_every_busy_phase"] == {"value": "1/2", "met": False}
+    assert targets["max_step_follow_s"]["met"] is False and targets["max_step_follow_s"]["value"] == "never"
+    assert targets["trace_share_busy"]["met"] is True
