@@ -228,7 +228,9 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
     covers the `span_s` before it, so it is compared with the client-side p99 of the requests that
     completed in that same span (`error` = reading / client - 1). Per phase: the median reading, the
     client p99 of the whole phase, the median absolute matched error and the share of readings that
-    came from traces. Per step change of the offered rate: seconds until `SIGNAL_HOLD_READINGS`
+    came from traces, and, where the observations carry the planner's prediction for the live config
+    (`predicted_p99_ms`), its median and median absolute error against the same client windows. Per
+    step change of the offered rate: seconds until `SIGNAL_HOLD_READINGS`
     readings in a row are within `tolerance` of the client (None: never before the next step).
 
     Example: a reading of 22 ms at t=50 s over a 10-s span, while the requests done in [40, 50) had
@@ -258,12 +260,17 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
         client, n = client_p99(p.start_s, p.start_s + p.duration_s)
         judged = n / p.duration_s >= min_rps and bool(inside)
         errors = [abs(m["error"]) for m in inside]
+        predicted = [m for m in inside if m.get("predicted_p99_ms") is not None]
         by_phase[p.name] = {
             "offered_rps": round(n / p.duration_s, 1), "readings": len(inside),
             "controller_p99_ms": _round(float(np.median([m["p99_ms"] for m in inside])) if inside else None),
             "client_p99_ms": _round(client),
             "median_abs_error": _round(float(np.median(errors)), 3) if errors else None,
             "trace_share": _round(sum(m["p99_source"] == "trace" for m in inside) / len(inside), 3) if inside else None,
+            # the planner's model, checked not used: its p99 for the live config vs the clients', same seconds
+            "predicted_p99_ms": _round(float(np.median([m["predicted_p99_ms"] for m in predicted]))) if predicted else None,
+            "predicted_median_abs_error": _round(float(np.median([abs(m["predicted_p99_ms"] / m["client_p99_ms"] - 1)
+                                                                  for m in predicted])), 3) if predicted else None,
             "within_tolerance": (float(np.median(errors)) <= tolerance) if judged else None,
         }
     follow = []
@@ -297,7 +304,8 @@ def observations_for_bench(path: Path, model: str, wall0: float) -> list[dict]:
         if rec.get("model") != model or not obs or obs.get("valid") is False:
             continue
         out.append({"t_s": rec["time"] - wall0, "p99_ms": obs.get("p99_ms"), "p99_source": obs.get("p99_source"),
-                    "span_s": obs.get("span_s"), "arrival_rps": obs.get("arrival_rps")})
+                    "span_s": obs.get("span_s"), "arrival_rps": obs.get("arrival_rps"),
+                    "predicted_p99_ms": obs.get("predicted_p99_ms")})
     return out
 
 

@@ -131,6 +131,8 @@ def summarize_obs(obs: Observation) -> dict:
            "mean_ms": r(obs.request_ms_mean)}
     if obs.p99_source == "trace":
         out["p99_samples"] = obs.p99_samples
+    if obs.predicted_p99_ms is not None:
+        out["predicted_p99_ms"] = r(obs.predicted_p99_ms)
     if obs.service is not None:
         out["service"] = obs.service.summary()
     if obs.gpus:
@@ -307,7 +309,7 @@ class Controller:
             return None
         mm.observer.add_scrape(now, counters, None if stats is None else stats.get(mm.name), mm.current)
         on_device = not self._simulating or self.simulated.hosts(counters)
-        obs = mm.observer.observe(now, mm.current, devices if on_device else ())
+        obs = mm.observer.observe(now, mm.current, devices if on_device else (), mm.max_batch_size)
         if counters is not None and self._simulating and self.simulated.hosts(counters):
             # the simulated device says what each instance holds; a real GPU's is learned from step deltas
             per = counters.custom.get(SIM_MEMORY_METRIC, 0) / max(1, mm.current.instance_count)

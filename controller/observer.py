@@ -5,7 +5,9 @@ A `ModelObserver` owns everything the controller knows about what one model did:
 * its window of `/metrics` counters (`signals.ModelWindow`) and the fresh span after a change
   (data from before `changed_at + settle_s` describes the old configuration and is not used);
 * its sampled request traces (`traces.TraceWindow`) and the latency figure with its source;
-* its service time per batch size, per live configuration (`service.ServiceTimes`);
+* its service time per batch size, per live configuration (`service.ServiceTimes`), and the p99 the
+  planner's model predicts from it for the live configuration at the measured arrival rate (logged
+  beside the measured p99, so that prediction error is known before anything decides on it);
 * the device readings attached to its observations.
 
 `observe()` turns that into one `Observation` for the policy. The p99 comes from the best source
@@ -34,6 +36,7 @@ import math
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .planner import simulate
 from .service import ServiceTimes
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceWindow, choose_sampling, needs_change
@@ -92,7 +95,8 @@ class ModelObserver:
         return self.changed_at + self.settle_s
 
     # -- the observation -----------------------------------------------------------------------
-    def observe(self, now: float, live: Settings, devices: tuple[GpuObservation, ...] = ()) -> Observation:
+    def observe(self, now: float, live: Settings, devices: tuple[GpuObservation, ...] = (),
+                max_batch_size: int = 0) -> Observation:
         span = min(self.window_s, max(0.0, now - self.fresh_from))
         obs = self.counters.observe(now, span, live.instance_count)
         if obs.valid and devices:
@@ -100,7 +104,10 @@ class ModelObserver:
         self._calibrate_tail(now, live)
         obs = self._latency(obs, now)
         if obs.valid:
-            obs = dataclasses.replace(obs, service=self.service.fit(live))
+            fit = self.service.fit(live)
+            predicted = None if fit is None else simulate(obs.arrival_rps, live.instance_count,
+                                                          live.max_queue_delay_us, max(1, max_batch_size), fit.predict_ms)
+            obs = dataclasses.replace(obs, service=fit, predicted_p99_ms=None if predicted is None else predicted.p99_ms)
         self.last = obs
         return obs
 

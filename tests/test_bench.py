@@ -320,6 +320,7 @@ def _signal_case(wrong_after_step: int = 2, error: float = 0.1):
         true_ms = 10.0 if t <= 10 else 20.0
         stale = 10 < t <= 10 + wrong_after_step          # readings that still show the old level
         observations.append({"t_s": t, "span_s": 1.0, "arrival_rps": 100.0 if t <= 10 else 200.0,
+                             "predicted_p99_ms": true_ms * 1.3,
                              "p99_ms": 10.0 if stale else true_ms * (1 + error),
                              "p99_source": "trace" if k != 1 else "mean_x_tail_ratio"})
     return observations, records, trace
@@ -337,6 +338,7 @@ def test_signal_accuracy_matches_each_reading_to_the_clients_of_the_same_seconds
     assert doc["step_follow_s"] == [dict(doc["step_follow_s"][0], follow_s=3.0)]   # 3rd reading after the step
     assert doc["trace_share_busy"] == pytest.approx(19 / 20)
     assert len(doc["readings"]) == 20
+    assert a["predicted_p99_ms"] == pytest.approx(13.0) and a["predicted_median_abs_error"] == pytest.approx(0.3, abs=0.01)
 
 
 def test_signal_targets_say_missed_when_a_phase_reads_wrong():

@@ -1,0 +1,59 @@
+"""The planner's model of the server (controller/planner.py): a dynamic-batcher simulation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from controller.planner import simulate
+
+SIM = lambda b: 6.0 + 1.5 * b  # noqa: E731  sim_accel's cost per execution with one instance (config.pbtxt)
+
+
+def test_docstring_example_one_and_two_instances():
+    one = simulate(100, 1, 0, 8, SIM)
+    two = simulate(100, 2, 0, 8, SIM)
+    assert one.stable and two.stable
+    assert 15 <= one.p99_ms <= 25 and 1.1 <= one.mean_batch <= 1.4 and 0.55 <= one.busy <= 0.7
+    assert two.p99_ms < one.p99_ms and two.mean_batch < one.mean_batch and two.busy < one.busy
+
+
+def test_light_load_is_one_request_per_batch_at_about_the_service_time():
+    p = simulate(2, 1, 0, 8, SIM)
+    assert p.mean_batch == pytest.approx(1.0, abs=0.02) and p.mean_ms == pytest.approx(7.5, abs=0.3)
+
+
+def test_over_capacity_is_unstable():
+    # full batches of 8 take 18 ms: one instance serves at most 444 req/s
+    assert not simulate(600, 1, 0, 8, SIM).stable
+    assert simulate(600, 3, 0, 8, SIM).stable
+
+
+def test_a_delay_adds_latency_at_light_load_and_makes_bigger_batches():
+    no_delay, delay = simulate(50, 1, 0, 8, SIM), simulate(50, 1, 4000, 8, SIM)
+    assert delay.mean_batch > no_delay.mean_batch
+    assert delay.mean_ms > no_delay.mean_ms + 1.0          # a lone request waits out (part of) the 4 ms
+
+
+def test_a_delay_pays_when_a_fixed_cost_dominates_near_capacity():
+    # 20 ms per execution whatever the batch: unbatched capacity is 50 req/s; at 45 req/s the queue is long
+    fixed = lambda b: 20.0  # noqa: E731
+    no_delay, delay = simulate(45, 1, 0, 8, fixed), simulate(45, 1, 2000, 8, fixed)
+    assert delay.busy < no_delay.busy
+
+
+def test_same_inputs_same_answer_and_no_prediction_without_arrivals():
+    assert simulate(100, 1, 0, 8, SIM) == simulate(100, 1, 0, 8, SIM)
+    assert simulate(0, 1, 0, 8, SIM) is None and simulate(math.nan, 1, 0, 8, SIM) is None
+    assert simulate(10, 0, 0, 8, SIM) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(rate=st.floats(0.1, 2000), n=st.integers(1, 8), delay=st.integers(0, 20000), mbs=st.integers(0, 64),
+       alpha=st.floats(0, 50), beta=st.floats(0, 10))
+def test_property_latencies_are_at_least_one_execution(rate, n, delay, mbs, alpha, beta):
+    p = simulate(rate, n, delay, mbs, lambda b: alpha + beta * b, requests=300)
+    assert p is not None
+    assert p.p99_ms >= alpha + beta - 1e-6 and p.mean_ms >= alpha + beta - 1e-6
+    assert 1 <= p.mean_batch <= max(1, mbs) and 0 <= p.busy <= 1 + 1e-9
