@@ -15,10 +15,13 @@ The rule (n = live instance count, N = ceiling, a = arrival rate, T = p99 target
 * capacity known from measurement: ``C_k`` = the highest arrival rate served within the target
   (met_target and completion >= 0.95 x arrival) by any point with k instances; a planner's prediction
   for N instances (`planned_capacity_rps`) replaces it when given;
-* the current load fraction ``f = max(p / T, busy)``: how close the live configuration is to its
-  limit now (p99 near the target, or instances busy all the time);
+* the current load fraction ``f = p / T`` (how close the live configuration is to its latency limit
+  now; the instances' busy fraction only when there is no p99: busy time includes waiting for a
+  shared device, so it reads high long before the latency does);
 * **at the ceiling (n >= N) and p >= T** (the tuner can add nothing and the target is missed, e.g.
-  held by the memory budget): ``u = max(1, a / C_N, p / T)``; `saturated` is True;
+  held by the memory budget): ``u = max(1, min(SATURATED_MAX, max(a / C_N, p / T)))``; `saturated` is
+  True. Bounded: in an overload p99 grows with the queue (seconds against a 100 ms target) and says
+  nothing about how many pods are missing; 2 lets the fleet at most double per evaluation of the HPA;
 * **at the ceiling, within the target**: capacity = ``max(C_N, a / f)`` (at least what was served,
   at least the current rate extrapolated to full load), ``u = a / capacity``; u >= 1 only when
   the extrapolation says so (f >= 1), and then `saturated`;
@@ -33,15 +36,14 @@ Utilisation is None (the gauge absent, not zero) while there is no valid observa
 
 Worked example (target 100 ms, max_instances 2, so N = 2):
 
-* 1 instance, 90 req/s, p99 85 ms, busy 0.95: f = 0.95, C_1 unknown, capacity at 1 = 90 / 0.95 =
-  94.7 req/s, at 2 = 189.5 req/s: u = 90 / 189.5 = 0.47 (the tuner adds an instance; no new pod).
-* 2 instances, 120 req/s, p99 40 ms, busy 0.6; served before at 2: 120 req/s: f = 0.6, capacity =
+* 1 instance, 90 req/s, p99 85 ms: f = 0.85, C_1 unknown, capacity at 1 = 90 / 0.85 = 105.9 req/s,
+  at 2 = 211.8 req/s: u = 90 / 211.8 = 0.42 (the tuner adds an instance; no new pod).
+* 2 instances, 120 req/s, p99 60 ms; served before at 2: 120 req/s: f = 0.6, capacity =
   max(120, 120 / 0.6) = 200 req/s: u = 0.6.
-* 2 instances, 200 req/s, p99 900 ms (queue growing): u = max(1, 200 / 120, 9.0) = 9.0, saturated:
-  an HPA at target 0.8 with 2 pods wants ceil(2 x 9.0 / 0.8) = 23 pods (its own scale-up policy
-  limits how many it adds at once).
-* 2 instances, 10 req/s afterwards, p99 25 ms, busy 0.1: capacity = max(120, 10 / 0.25) = 120:
-  u = 0.08; two such pods: ceil(2 x 0.08 / 0.8) = 1 pod.
+* 2 instances, 200 req/s, p99 900 ms (queue growing): u = max(1, min(2, max(200 / 120, 9.0))) = 2.0,
+  saturated: an HPA at target 0.8 with 2 such pods wants ceil(2 x 2.0 / 0.8) = 5 pods.
+* 2 instances, 10 req/s afterwards, p99 25 ms: capacity = max(120, 10 / 0.25) = 120: u = 0.08;
+  two such pods: ceil(2 x 0.08 / 0.8) = 1 pod.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from typing import Iterable
 from .types import Cap, Observation, Settings
 
 HEADROOM_MAX = 0.85     # utilisation reported while an instance can still be added stays at or below this
+SATURATED_MAX = 2.0     # utilisation reported when saturated stays at or below this
 SERVED_FRACTION = 0.95  # a point "served" its load when completions reached this fraction of arrivals
 
 
@@ -91,7 +94,7 @@ def utilization(obs: Observation | None, current: Settings | None, ceiling: int,
     n, a = current.instance_count, max(0.0, obs.arrival_rps)
     p = obs.p99_ms
     p_t = None if p is None else p / p99_target_ms
-    f = max(p_t or 0.0, min(1.0, max(0.0, obs.busy_fraction)))
+    f = p_t if p_t is not None else min(1.0, max(0.0, obs.busy_fraction))
     held = None if held_by is None else held_by.value
     c_n = served_max(points, ceiling)
     source = "measured"
@@ -99,7 +102,7 @@ def utilization(obs: Observation | None, current: Settings | None, ceiling: int,
         c_n, source = planned_capacity_rps, "planner"
     if n >= ceiling:
         if p_t is not None and p_t >= 1.0:
-            u = max(1.0, a / c_n if c_n else 1.0, p_t)
+            u = max(1.0, min(SATURATED_MAX, max(a / c_n if c_n else 1.0, p_t)))
             return Capacity(u, c_n, True, p_t, ceiling, held, "saturated")
         extrapolated = a / f if f > 0 else None
         cap = max(x for x in (c_n, extrapolated, 0.0) if x is not None)

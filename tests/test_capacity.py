@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client import generate_latest
 
-from controller.capacity import HEADROOM_MAX, pod_utilization, utilization
+from controller.capacity import HEADROOM_MAX, SATURATED_MAX, pod_utilization, utilization
 from controller.config import ConfigError, LoopConfig, ModelLimits, parse_config
 from controller.policy import PerfPoint, PolicyState, decide, instance_ceiling
 from controller.telemetry import ControllerMetrics
@@ -39,12 +39,13 @@ def hpa_desired(replicas, values, target=0.8, tolerance=0.1):
 
 def test_the_docstring_worked_example():
     u1 = utilization(obs(90, 85, busy=0.95), Settings(1, 0), 2, T)
-    assert u1.utilization == pytest.approx(90 / (90 / 0.95 * 2)) and not u1.saturated
+    assert u1.utilization == pytest.approx(90 / (90 / 0.85 * 2)) and not u1.saturated
     pts = [point(2, 120)]
-    u2 = utilization(obs(120, 40, busy=0.6), Settings(2, 0), 2, T, pts)
+    u2 = utilization(obs(120, 60, busy=0.9), Settings(2, 0), 2, T, pts)
     assert u2.utilization == pytest.approx(0.6) and u2.capacity_rps == pytest.approx(200)
     u3 = utilization(obs(200, 900, busy=1.0, completion=150), Settings(2, 0), 2, T, pts, Cap.MAX)
-    assert u3.utilization == pytest.approx(9.0) and u3.saturated
+    assert u3.utilization == pytest.approx(SATURATED_MAX) and u3.saturated
+    assert hpa_desired(2, [u3.utilization] * 2) == 5
     u4 = utilization(obs(10, 25, busy=0.1), Settings(2, 0), 2, T, pts)
     assert u4.utilization == pytest.approx(10 / 120)
     assert hpa_desired(2, [u4.utilization] * 2) == 1
@@ -66,6 +67,8 @@ def test_at_or_above_one_when_held_at_the_ceiling_with_the_target_missed(cap):
     c = utilization(obs(300, 120, busy=1.0, completion=250), Settings(3, 0), 3, T, [point(3, 200)], cap)
     assert c.saturated and c.utilization >= 1.0 and c.held_by == cap.value
     assert c.utilization == pytest.approx(max(1.0, 300 / 200, 1.2))
+    over = utilization(obs(300, 9000, busy=1.0, completion=250), Settings(3, 0), 3, T, [point(3, 200)], cap)
+    assert over.utilization == SATURATED_MAX      # a queue in seconds does not ask for 90 pods
     assert hpa_desired(2, [c.utilization, c.utilization]) > 2
 
 
@@ -90,13 +93,16 @@ def test_at_the_ceiling_within_the_target_follows_the_load():
     high = utilization(obs(180, 60, busy=0.8), Settings(2, 0), 2, T, pts)
     assert low.utilization < high.utilization < 1.0 and not high.saturated
     near = utilization(obs(190, 99, busy=1.0), Settings(2, 0), 2, T, [])
-    assert near.utilization == pytest.approx(1.0) and near.source == "extrapolated"
+    assert near.utilization == pytest.approx(0.99) and near.source == "extrapolated"
+    busy_only = utilization(obs(190, None, busy=0.95), Settings(2, 0), 2, T, [])     # no p99: busy is the fraction
+    assert busy_only.utilization == pytest.approx(0.95) and busy_only.p99_over_target is None
 
 
 def test_points_that_missed_or_did_not_keep_up_do_not_count_as_capacity():
     pts = [point(2, 500, met=False), point(2, 400, completion=300), point(2, 100)]
     c = utilization(obs(90, 10, busy=0.05), Settings(2, 0), 2, T, pts)
     assert c.capacity_rps == pytest.approx(max(100, 90 / 0.1))
+    assert c.utilization == pytest.approx(0.1)
 
 
 def test_a_planner_figure_replaces_the_measured_one():
@@ -128,7 +134,7 @@ def test_gauges_are_absent_until_known_then_removed_again():
     m.capacity_of("a", c)
     m.pod_capacity_of(c.utilization)
     t = text()
-    assert 'triton_autotune_capacity_utilization{model="a"} 1.5' in t
+    assert 'triton_autotune_capacity_utilization{model="a"} 1.5' in t   # p99 150 ms against 100
     assert 'triton_autotune_saturated{model="a"} 1.0' in t
     assert 'triton_autotune_p99_over_target{model="a"} 1.5' in t
     assert "triton_autotune_pod_capacity_utilization 1.5" in t
