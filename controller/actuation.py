@@ -21,6 +21,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from .ownership import OwnerMark, mark_of, with_mark
 from .types import Settings
 
 log = logging.getLogger("controller.actuation")
@@ -133,9 +134,12 @@ class TritonControl:
 
 
 class Actuator:
-    def __init__(self, control: TritonControl, ready_timeout_s: float = 120.0):
+    """`mark`: the owner mark put into every config this actuator loads (see ownership.py); None: none."""
+
+    def __init__(self, control: TritonControl, ready_timeout_s: float = 120.0, mark: OwnerMark | None = None):
         self.control = control
         self.ready_timeout_s = ready_timeout_s
+        self.mark = mark
 
     def read(self, model: str) -> tuple[dict, Settings]:
         cfg = self.control.config(model)
@@ -149,9 +153,13 @@ class Actuator:
             return ApplyResult(False, "none", None, time.monotonic() - t0, f"cannot read live config: {_msg(e)}")
         if live == target:
             return ApplyResult(True, "none", live, time.monotonic() - t0)
-        kind = "in_place" if live.max_queue_delay_us == target.max_queue_delay_us else "full_reload"
+        # why: Triton reloads the whole model when anything but instance_group differs: a new owner mark too
+        remark = self.mark is not None and mark_of(live_cfg) != self.mark
+        kind = "in_place" if live.max_queue_delay_us == target.max_queue_delay_us and not remark else "full_reload"
         try:
             new_cfg = with_settings(live_cfg, target)
+            if self.mark is not None:
+                with_mark(new_cfg, self.mark)
             self.control.load(model, new_cfg)
             self._wait_ready(model)
             _, after = self.read(model)
@@ -162,6 +170,25 @@ class Actuator:
             return ApplyResult(False, kind, after, time.monotonic() - t0,
                                f"server reports {after} after loading {target}")
         return ApplyResult(True, kind, after, time.monotonic() - t0)
+
+    def claim(self, model: str) -> ApplyResult:
+        """Load the live config with this actuator's owner mark, settings unchanged (a full reload)."""
+        t0 = time.monotonic()
+        try:
+            live_cfg, live = self.read(model)
+        except Exception as e:  # noqa: BLE001
+            return ApplyResult(False, "none", None, time.monotonic() - t0, f"cannot read live config: {_msg(e)}")
+        if self.mark is None or mark_of(live_cfg) == self.mark:
+            return ApplyResult(True, "none", live, time.monotonic() - t0)
+        try:
+            self.control.load(model, with_mark(copy.deepcopy(live_cfg), self.mark))
+            self._wait_ready(model)
+            after_cfg, after = self.read(model)
+        except Exception as e:  # noqa: BLE001
+            return ApplyResult(False, "full_reload", self._read_quietly(model), time.monotonic() - t0, _msg(e))
+        if mark_of(after_cfg) != self.mark:
+            return ApplyResult(False, "full_reload", after, time.monotonic() - t0, "the owner mark did not stick")
+        return ApplyResult(True, "full_reload", after, time.monotonic() - t0)
 
     def _wait_ready(self, model: str) -> None:
         deadline = time.monotonic() + self.ready_timeout_s

@@ -211,6 +211,10 @@ def _start_controller(cfg: ControllerConfig, port: int | None):
             raise ServerError(f"cannot serve the controller's metrics on {host}:{port}: {e.strerror or e} "
                               "(choose another with --controller-metrics-port or controller.metrics_port)") from None
         log.info("controller metrics and status on http://%s:%d/metrics and /status", _hostport(host), endpoint.port)
+        import socket
+        reach = "127.0.0.1" if host in ("127.0.0.1", "::1", "localhost") else \
+            (socket.gethostname() if host in ("0.0.0.0", "::") else host)
+        controller.set_status_url(f"http://{_hostport(reach)}:{endpoint.port}/status")   # goes into the owner mark
     return controller, endpoint
 
 

@@ -39,6 +39,8 @@ from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batchin
 from .config import ControllerConfig, ModelLimits
 from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
 from .observer import ModelObserver, TraceFeed
+from .ownership import FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, TAKE_OVER, OwnerMark, OwnershipGuard, Verdict, identity, mark_of
+from . import ownership
 from .signals import ModelCounters, Scraper, StatsCounters
 from .telemetry import ControllerMetrics
 from .traces import TraceApi
@@ -78,6 +80,8 @@ class ManagedModel:
     history: list[dict] = field(default_factory=list)   # recent decision records, newest last
     capacity: "capacity_mod.Capacity | None" = None      # the fleet scaler's figure (controller/capacity.py) ...
     capacity_t: float | None = None                     # ... as of then (kept through short gaps in the data)
+    mark: OwnerMark | None = None                        # the owner mark in its live config (ownership.py)
+    owner: Verdict | None = None                         # what that mark means for this controller
 
     @property
     def last_obs(self) -> Observation | None:
@@ -173,6 +177,9 @@ class Controller:
         self._workers: ThreadPoolExecutor | None = None
         self._actuators: dict[str, Actuator] = {}
         self._started = (time.time(), clock())
+        self.me = OwnerMark(identity(self._started[0]))
+        self.ownership = OwnershipGuard(self.me, stale_after_s=config.loop.owner_stale_after_s)
+        ownership.running(self.me.owner)
         self._ticks = 0
         self._tick_error: str | None = None
         self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
@@ -180,6 +187,16 @@ class Controller:
         self._published: tuple[float, dict] | None = None   # (controller time, snapshot), see status_snapshot
 
     # -- set-up -------------------------------------------------------------------------------
+    def set_status_url(self, url: str | None) -> None:
+        """Where this controller's /status answers: it goes into the owner mark (call before the first tick)."""
+        self.me = OwnerMark(self.me.owner, url)
+        self.ownership.me = self.me
+        for actuator in self._actuators.values():
+            actuator.mark = self._mark()
+
+    def _mark(self) -> OwnerMark | None:
+        return self.me if self.config.loop.owner_mark else None
+
     def _open_gpu(self, mode: str) -> GpuSource:
         if mode in ("auto", "nvml"):
             return open_gpu_source(mode)      # "nvml" without NVML raises GpuUnavailable: the user asked for it
@@ -216,6 +233,7 @@ class Controller:
         if not has_dynamic_batching(cfg) and mm.limits.max_delay_us:
             mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
         mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
+        mm.mark = mark_of(cfg)
         adopted = None
         if not mm.reachable:
             # why: the server may have restarted (counters reset, instances fresh): nothing learned before
@@ -314,6 +332,8 @@ class Controller:
             # the simulated device says what each instance holds; a real GPU's is learned from step deltas
             per = counters.custom.get(SIM_MEMORY_METRIC, 0) / max(1, mm.current.instance_count)
             mm.state = policy.with_reported_instance_memory(mm.state, per)
+        if self.config.loop.owner_mark and not self._may_act(mm, obs, now):
+            return None
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size)
         self._update_capacity(mm, obs, decision, now)
         return decision, obs
@@ -347,6 +367,31 @@ class Controller:
             decided[name] = (override, decided[name][1])
         return decided
 
+    # -- one controller per model ---------------------------------------------------------------------
+    def _may_act(self, mm: ManagedModel, obs: Observation, now: float) -> bool:
+        """Check the owner mark (ownership.py). False: another live controller owns the model (held, logged
+        once), or this controller claims it now (a full reload that puts its own mark in, settings unchanged)."""
+        verdict = self.ownership.check(mm.name, mm.mark, now)
+        before, mm.owner = mm.owner, verdict
+        changed = before is None or before.state != verdict.state or before.mark != verdict.mark
+        if verdict.state in (FOREIGN_LIVE, FOREIGN_UNREACHABLE):
+            if changed:
+                log.warning("%s: managed by another controller (%s, %s); not acting on it", mm.name,
+                            verdict.mark.owner, verdict.detail)
+            self._record(mm, Decision(mm.current, "HoldOwnedByOther", detail=f"owner {verdict.mark.owner}: {verdict.detail}"),
+                         obs, now, "hold")
+            return False
+        if verdict.state == TAKE_OVER and changed:
+            log.warning("%s: taking over from %s (%s)", mm.name, verdict.mark.owner, verdict.detail)
+        if verdict.state == MINE or self.config.loop.dry_run:
+            return True
+        if any(o.pending is not None and o.pending.full_reload for o in self.models.values()) or \
+                not policy.full_reload_fits(mm.current, mm.limits, mm.state, obs) or now < mm.state.backoff_until:
+            return True     # the claim waits; a change decided meanwhile carries the mark (a full reload)
+        detail = "unmarked" if verdict.mark is None else f"from {verdict.mark.owner}: {verdict.detail}"
+        self._submit(mm, Decision(mm.current, "ClaimOwnership", detail=detail), obs, now, full=True, claim=True)
+        return False
+
     # -- acting -----------------------------------------------------------------------------------
     def _act(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> None:
         if mm.pending is not None:
@@ -359,25 +404,31 @@ class Controller:
             self._record(mm, decision, obs, now, "dry_run")
             mm.state = policy.record_dry_run(mm.state, now)
             return
-        full = decision.target.max_queue_delay_us != mm.current.max_queue_delay_us
+        full = decision.target.max_queue_delay_us != mm.current.max_queue_delay_us or \
+            (self._mark() is not None and mm.mark != self._mark())     # a new owner mark: a full reload
         if full and any(o.pending is not None and o.pending.full_reload for o in self.models.values()):
             # why: a full reload holds old + new memory until it finishes; two at once could exceed the budget
             self._record(mm, Decision(mm.current, "HoldOtherFullReload", detail=f"wanted {_fmt(decision.target)}"),
                          obs, now, "hold")
             return
+        self._submit(mm, decision, obs, now, full)
+
+    def _submit(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float, full: bool,
+                claim: bool = False) -> None:
         actuator = self._actuators.get(mm.name)
         if actuator is None:
-            actuator = self._actuators[mm.name] = Actuator(self._new_control(), ready_timeout_s=self.config.loop.reload_timeout_s)
+            actuator = self._actuators[mm.name] = Actuator(self._new_control(), ready_timeout_s=self.config.loop.reload_timeout_s,
+                                                           mark=self._mark())
         if self._workers is None:
             self._workers = ThreadPoolExecutor(max_workers=max(2, len(self.models)), thread_name_prefix="reload")
         target = decision.target
 
         def work():
-            result = actuator.apply(mm.name, target)
+            result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target)
             return result, self.clock()
 
         mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full, now)
-        self._record(mm, decision, obs, now, "started")
+        self._record(mm, decision, obs, now, "claiming" if claim else "started")
 
     def _collect_finished(self) -> None:
         for mm in self.models.values():
@@ -404,6 +455,19 @@ class Controller:
 
     def _after_apply(self, mm: ManagedModel, decision: Decision, before: Settings, obs: Observation,
                      result: ApplyResult, now: float) -> None:
+        if decision.reason == "ClaimOwnership":
+            # settings unchanged: nothing for the policy to learn; a full reload restarted the stats counters
+            mm.observer.mark_change(now)
+            if result.live is not None:
+                mm.current = result.live
+            if result.ok:
+                mm.mark = self._mark()
+                log.info("%s: marked as managed by this controller (%s, %.1f s)", mm.name, self.me.owner, result.seconds)
+            else:
+                mm.state = policy.record_failed(mm.state, decision, before, now, self.config.loop.failure_backoff_s)
+                log.warning("%s: could not mark the model as ours (%s); acting anyway, retrying later", mm.name, result.error)
+            self._record(mm, decision, obs, now, "claimed" if result.ok else "claim_failed", result)
+            return
         mm.last_change = {"time": time.time(), "t": now, "ok": result.ok, "from": _asdict(before),
                           "to": _asdict(result.live if result.ok else decision.target), "reason": decision.reason,
                           "detail": decision.detail, "kind": result.kind, "apply_s": round(result.seconds, 2),
@@ -470,12 +534,13 @@ class Controller:
             if obs is not None and obs.valid:
                 self._seen[mm.name] = (now, summarize_obs(obs))
             models[mm.name] = model_status(mm, self._seen.get(mm.name), self.traces.describe(mm.name))
+            models[mm.name]["owner"] = owner_status(mm, self.me)
         loop, s = self.config.loop, self.config.server
         snap = {"interval_s": loop.interval_s, "window_s": loop.window_s, "dry_run": loop.dry_run,
                 "tracing": self.traces.state, "decision_log": loop.decision_log, "ticks": self._ticks,
                 "error": self._tick_error,
                 "server": {"http_url": s.http_url, "grpc_url": s.grpc_url, "metrics_url": s.metrics_url},
-                "models": models}
+                "owner": self.me.owner, "status_url": self.me.status_url, "models": models}
         with self._lock:
             self._published = (now, snap)
 
@@ -489,7 +554,8 @@ class Controller:
             published = self._published
         now = self.clock()
         wall0, t0 = self._started
-        out = {"time": time.time(), "started": wall0, "uptime_s": round(now - t0, 1)}
+        out = {"time": time.time(), "started": wall0, "uptime_s": round(now - t0, 1), "owner": self.me.owner,
+               "status_url": self.me.status_url}
         if published is None:
             return {**out, "ticks": 0, "tick_age_s": None, "models": {}, "interval_s": self.config.loop.interval_s,
                     "window_s": self.config.loop.window_s, "dry_run": self.config.loop.dry_run,
@@ -531,6 +597,7 @@ class Controller:
         if self._workers is not None:
             self._workers.shutdown(wait=True)
             self._collect_finished()
+        ownership.stopped(self.me.owner)
         self.traces.stop()
         for actuator in self._actuators.values():
             if actuator.control is not self.control:
@@ -564,6 +631,15 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
                    for r in mm.history[-5:]],
         "capacity": None if mm.capacity is None else mm.capacity.as_dict(),   # the fleet scaler's figure
     }
+
+
+def owner_status(mm: ManagedModel, me: OwnerMark) -> dict | None:
+    """Who manages the model according to the mark in its live config (None: no mark yet)."""
+    if mm.mark is None:
+        return None
+    v = mm.owner
+    return {"owner": mm.mark.owner, "status_url": mm.mark.status_url, "mine": mm.mark.owner == me.owner,
+            "state": None if v is None else v.state, "detail": (v.detail or None) if v is not None else None}
 
 
 def _asdict(s: Settings | None) -> dict | None:

@@ -299,6 +299,12 @@ def format_model(name: str, m: dict, last: int = 3) -> list[str]:
             if m.get("wants") and not m.get("reloading"):
                 text += f" (wants {_settings(m['wants'].get('instances'), m['wants'].get('delay_us'))})"
             rows.append(("reason", text))
+        own = m.get("owner")
+        if own:   # the owner mark in the live config (controller/ownership.py)
+            rows.append(("owner", "this controller" if own.get("mine") else
+                         f"{own.get('owner')} ({own.get('status_url') or 'no status URL'}): not acting on it"
+                         if own.get("state") in ("foreign_live", "foreign_unreachable") else
+                         f"{own.get('owner')}, taking over ({own.get('detail')})"))
         ch = m.get("last_change")
         if ch:
             text = f"{_clock(ch.get('time'))} ({_dur(ch.get('ago_s'))} ago) {_change(ch.get('from'), ch.get('to'))}: " \

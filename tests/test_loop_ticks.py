@@ -180,10 +180,17 @@ def test_a_slow_reload_does_not_stall_the_loop_or_another_model():
     # both models queue (queue 25 ms of a 30 ms request, p99 estimate 60 ms > 0.8 x 40): both want more
     models = {"slow": FakeModel(300, 30, 5, pending=4), "fast": FakeModel(300, 30, 5, pending=4)}
     ctl, control, _ = make(["slow", "fast"], models, clock)
+    for _ in range(4):     # first each model is marked as ours (a full reload each, one at a time; test_ownership.py)
+        run_ticks(ctl, clock, 1)
+        ctl.wait_for_pending()
+    assert all(m.mark == ctl.me for m in ctl.models.values())
     control.gates["slow"] = threading.Event()
     try:
-        run_ticks(ctl, clock, 5)                          # warm-up (4 s), then both decide to scale up
         slow, fast = ctl.models["slow"], ctl.models["fast"]
+        for _ in range(8):                                # the claims' settle and window, then both scale up
+            run_ticks(ctl, clock, 1)
+            if slow.pending is not None:
+                break
         assert slow.pending is not None, slow.last_decision
         ticks_before = len(slow.observer.counters.samples)
         for _ in range(4):                                # the slow load is still blocked: ticks go on
