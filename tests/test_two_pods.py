@@ -1,0 +1,148 @@
+"""The two levels of control, shown on this machine: two independent servers ("pods"), each with its own
+controller, behind a round-robin open-loop client; the HPA's own formula applied to the gauges they export.
+
+The model is the SIMULATED accelerator with slower costs (one device slot, batches of at most 2), so that
+one instance serves about 70 req/s and two about 140 req/s, within what two cores can drive:
+
+* phase `headroom`: 80 req/s per pod: one instance is not enough, the controller adds the second; while
+  it can, the pods' figure stays low enough that the HPA adds no pod;
+* phase `beyond`: 200 req/s per pod: both pods at max_instances and past the target: scale-out;
+* phase `low`: 10 req/s per pod: scale-in.
+"""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, start_server
+from controller.actuation import TritonControl
+from controller.capacity import HEADROOM_MAX
+from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.loop import Controller
+from controller.policy import instance_ceiling
+
+MODEL = "sim_accel"
+TARGET = 0.8                     # the HPA's averageValue in deploy/k8s/hpa.yaml
+PHASES = [("headroom", 22.0, 80.0), ("beyond", 16.0, 200.0), ("low", 22.0, 10.0)]   # per pod: name, s, req/s
+SLOW = {"max_batch_size": None, "fixed_overhead_ms": "10", "host_per_item_ms": "2", "compute_base_ms": "10",
+        "compute_per_item_ms": "2", "device_parallelism": "1"}
+
+
+def hpa_desired(replicas: int, values: list[float], target: float = TARGET, tolerance: float = 0.1) -> int:
+    """The HPA's rule for a Pods metric: ratio = average / target; within 10% of 1: keep; else ceil(n x ratio)."""
+    ratio = sum(values) / len(values) / target
+    if abs(ratio - 1.0) <= tolerance:
+        return replicas
+    return math.ceil(replicas * ratio)
+
+
+def slow_repository(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "model_repository" / MODEL, repo / MODEL, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = repo / MODEL / "config.pbtxt"
+    text = re.sub(r"max_batch_size: \d+", "max_batch_size: 2", cfg.read_text())
+    for key, value in SLOW.items():
+        if value is not None:
+            text, n = re.subn(rf'(key: "{key}", value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+            assert n == 1, key
+    cfg.write_text(text)
+    return repo
+
+
+def controller_config(server) -> ControllerConfig:
+    return ControllerConfig(
+        server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, gpu="simulated", tracing=True),
+        models={MODEL: ModelLimits(p99_target_ms=100.0, max_instances=2, scale_up_cooldown_s=1.0,
+                                   scale_down_delay_s=6.0, delay_cooldown_s=600.0, max_delay_us=0)})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in(tmp_path):
+    repo = slow_repository(tmp_path)
+    servers = [start_server([MODEL], repository=repo) for _ in range(2)]
+    stop = threading.Event()
+    controllers = [Controller(controller_config(s)) for s in servers]
+    threads = [threading.Thread(target=c.run, args=(stop,), daemon=True) for c in controllers]
+    samples: list[dict] = []
+    t0 = [0.0]
+
+    def phase_at(t: float) -> str:
+        for name, seconds, _ in PHASES:
+            if t < seconds:
+                return name
+            t -= seconds
+        return "after"
+
+    def sample():
+        while not stop.wait(0.5):
+            row = {"t": time.monotonic() - t0[0], "u": [], "n": [], "ceiling": [], "saturated": []}
+            for c in controllers:
+                mm = c.models.get(MODEL)
+                u = c.metrics.registry.get_sample_value("triton_autotune_pod_capacity_utilization")
+                row["u"].append(u)
+                row["n"].append(None if mm is None or mm.current is None else mm.current.instance_count)
+                row["ceiling"].append(None if mm is None or mm.capacity is None else mm.capacity.ceiling)
+                row["saturated"].append(c.metrics.registry.get_sample_value("triton_autotune_saturated", {"model": MODEL}))
+            row["phase"] = phase_at(row["t"])
+            samples.append(row)
+
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)                       # the controllers hold their first window (4 s) under the traffic
+        trace = load_trace({"phases": [{"name": n, "duration_s": s, "rate_rps": 2 * r} for n, s, r in PHASES]})
+        schedule = poisson_schedule(trace, seed=11, max_requests=20_000)
+        inputs = inputs_from_config(TritonControl(servers[0].grpc_url, servers[0].http_url).config(MODEL))
+        results: list[list] = [[], []]
+
+        def client(i):                        # round robin: every other request to each pod
+            results[i] = run_open_loop_sync(servers[i].grpc_url, MODEL, schedule[i::2], inputs, timeout_s=8.0)
+
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+        t0[0] = time.monotonic()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        for c in controllers:
+            c.close()
+        for s in servers:
+            s.stop()
+
+    known = [r for r in samples if None not in r["u"] and None not in r["n"]]
+    summary = [(round(r["t"]), r["phase"], r["n"], [round(u, 2) for u in r["u"]]) for r in known]
+    # 1. no scale-out while an in-pod instance can still be added
+    headroom = [r for r in known if all(n < c for n, c in zip(r["n"], r["ceiling"]) if c is not None)
+                and None not in r["ceiling"]]
+    assert any(r["phase"] == "headroom" for r in headroom), summary
+    for r in headroom:
+        assert max(r["u"]) <= HEADROOM_MAX and hpa_desired(2, r["u"]) <= 2, (r, summary)
+    # the pods did take the load in-pod first: both reached their second instance while 80 req/s arrived
+    assert any(r["phase"] == "headroom" and r["n"] == [2, 2] for r in known), summary
+    # ... and at the ceiling with load the pods can serve (the last 8 s of that phase), no scale-out either
+    settled = [r for r in known if r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0]
+    assert settled and all(hpa_desired(2, r["u"]) <= 2 for r in settled), summary
+    # 2. scale-out once both pods are at their limit
+    out = [r for r in known if r["phase"] == "beyond" and r["n"] == [2, 2] and r["saturated"] == [1.0, 1.0]
+           and hpa_desired(2, r["u"]) > 2]
+    assert out, summary
+    # 3. scale-in when the load falls back (the last seconds of the low phase)
+    tail = [r for r in known if r["phase"] in ("low", "after")][-4:]
+    assert tail and all(hpa_desired(2, r["u"]) < 2 for r in tail), summary
+    print("\n".join(map(str, summary)))    # with -s: the run, one line per half second
+    served = sum(1 for rs in results for x in rs if x.ok)
+    assert served > 0.5 * sum(len(rs) for rs in results)
