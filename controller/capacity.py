@@ -70,7 +70,7 @@ class Capacity:
     source: str                     # "measured" | "extrapolated" | "planner" | "saturated"
 
     def as_dict(self) -> dict:
-        r = lambda x: None if x is None else round(x, 3)  # noqa: E731
+        r = lambda x: None if x is None else round(float(x), 3)  # noqa: E731
         return {"utilization": r(self.utilization), "capacity_rps": r(self.capacity_rps),
                 "saturated": self.saturated, "p99_over_target": r(self.p99_over_target),
                 "ceiling": self.ceiling, "held_by": self.held_by, "source": self.source}

@@ -180,3 +180,15 @@ def test_the_loop_exports_the_figure_once_known_and_drops_it_when_the_server_is_
     run_ticks(ctl, clock, 1)
     assert 'model="m"' not in "\n".join(ln for ln in text().splitlines() if ln.startswith("triton_autotune"))
     assert ctl.status_snapshot()["models"]["m"]["capacity"] is None
+
+
+def test_status_shows_the_figure():
+    from test_newcomer import SEEN
+
+    from controller.status import format_model
+    c = utilization(obs(300, 150, busy=1.0), Settings(2, 0), 2, T, [point(2, 200)], Cap.MAX)
+    rows = dict((ln[:15].strip(), ln[15:]) for ln in format_model("m", dict(SEEN, capacity=c.as_dict()))[1:])
+    assert rows["capacity"] == "1.50 of this pod's capacity at 2 instance(s) (200.0 req/s, saturated); SATURATED"
+    under = utilization(obs(50, 20, busy=0.2), Settings(2, 0), 2, T, [point(2, 200)])
+    rows = dict((ln[:15].strip(), ln[15:]) for ln in format_model("m", dict(SEEN, capacity=under.as_dict()))[1:])
+    assert rows["capacity"] == "0.20 of this pod's capacity at 2 instance(s) (250.0 req/s, extrapolated)"

@@ -229,6 +229,10 @@ def test_ports_and_probes_agree_between_containers_service_and_monitor():
     startup = SERVER["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300       # model loading: minutes
     assert SIDECAR["livenessProbe"]["httpGet"]["port"] in sidecar_ports
+    # `run` opens its endpoint only once the server answers: the sidecar's start-up allowance covers the server's
+    s_startup = SIDECAR["startupProbe"]
+    assert s_startup["httpGet"]["port"] in sidecar_ports
+    assert s_startup["periodSeconds"] * s_startup["failureThreshold"] > startup["periodSeconds"] * startup["failureThreshold"]
 
 
 def _flags(container: dict) -> list[str]:

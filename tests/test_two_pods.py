@@ -146,3 +146,42 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
     print("\n".join(map(str, summary)))    # with -s: the run, one line per half second
     served = sum(1 for rs in results for x in rs if x.ok)
     assert served > 0.5 * sum(len(rs) for rs in results)
+
+
+@pytest.mark.slow
+def test_readiness_holds_through_reloads():
+    """deploy/k8s's readiness probe is Triton's /v2/health/ready: a reload must not take the pod out of the Service."""
+    import urllib.request
+
+    from controller.actuation import Actuator
+    from controller.types import Settings
+    server = start_server([MODEL])
+    failed, polls, stop = [], [0], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as r:
+                    ok = r.status == 200
+            except OSError:
+                ok = False
+            polls[0] += 1
+            if not ok:
+                failed.append(time.monotonic())
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        act = Actuator(TritonControl(server.grpc_url, server.http_url))
+        kinds = []
+        for s in (Settings(2, 0), Settings(2, 1000), Settings(1, 0)):      # in place, full, full
+            result = act.apply(MODEL, s)
+            assert result.ok, result
+            kinds.append(result.kind)
+    finally:
+        stop.set()
+        poller.join()
+        server.stop()
+    assert kinds == ["in_place", "full_reload", "full_reload"]
+    assert polls[0] > 50 and not failed, (polls[0], len(failed))
