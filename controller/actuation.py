@@ -134,7 +134,8 @@ class TritonControl:
 
 
 class Actuator:
-    """`mark`: the owner mark put into every config this actuator loads (see ownership.py); None: none."""
+    """`mark`: the owner mark `claim` puts into the live config (see ownership.py). `apply` keeps whatever
+    parameters the live config has (a mark among them): a count change then stays in place."""
 
     def __init__(self, control: TritonControl, ready_timeout_s: float = 120.0, mark: OwnerMark | None = None):
         self.control = control
@@ -153,13 +154,9 @@ class Actuator:
             return ApplyResult(False, "none", None, time.monotonic() - t0, f"cannot read live config: {_msg(e)}")
         if live == target:
             return ApplyResult(True, "none", live, time.monotonic() - t0)
-        # why: Triton reloads the whole model when anything but instance_group differs: a new owner mark too
-        remark = self.mark is not None and mark_of(live_cfg) != self.mark
-        kind = "in_place" if live.max_queue_delay_us == target.max_queue_delay_us and not remark else "full_reload"
+        kind = "in_place" if live.max_queue_delay_us == target.max_queue_delay_us else "full_reload"
         try:
-            new_cfg = with_settings(live_cfg, target)
-            if self.mark is not None:
-                with_mark(new_cfg, self.mark)
+            new_cfg = with_settings(live_cfg, target)    # keeps the live parameters, an owner mark among them
             self.control.load(model, new_cfg)
             self._wait_ready(model)
             _, after = self.read(model)

@@ -88,6 +88,10 @@ class ManagedModel:
         return self.observer.last
 
 
+# the policy's gates: while one of these holds (start, a change settling), a claim's full reload would disturb it
+_NOT_QUIET = frozenset({"HoldWarmup", "HoldSettling", "HoldCooldown", "HoldBackoff", "HoldNoData"})
+
+
 class JsonLog:
     """Append-only JSONL file (None: nothing is written)."""
 
@@ -383,14 +387,25 @@ class Controller:
             return False
         if verdict.state == TAKE_OVER and changed:
             log.warning("%s: taking over from %s (%s)", mm.name, verdict.mark.owner, verdict.detail)
-        if verdict.state == MINE or self.config.loop.dry_run:
-            return True
-        if any(o.pending is not None and o.pending.full_reload for o in self.models.values()) or \
-                not policy.full_reload_fits(mm.current, mm.limits, mm.state, obs) or now < mm.state.backoff_until:
-            return True     # the claim waits; a change decided meanwhile carries the mark (a full reload)
-        detail = "unmarked" if verdict.mark is None else f"from {verdict.mark.owner}: {verdict.detail}"
+        return True
+
+    def _claim_now(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> bool:
+        """Put this controller's mark into the model's config, at a quiet moment: the policy holds on valid data
+        past its warm-up and settling gates, no reload is in flight anywhere (the claim is a full reload: old + new must fit), not in a backoff.
+        A change wanted before that is applied unmarked (in place stays in place); the claim comes after."""
+        v = mm.owner
+        if self.me.status_url is None:
+            # why: a mark nobody can check (no /status to ask) would look alive, or stale, whatever this controller does
+            return False
+        if not self.config.loop.owner_mark or self.config.loop.dry_run or v is None or v.state == MINE \
+                or not v.may_act or not decision.valid or not obs.valid or decision.reason in _NOT_QUIET:
+            return False
+        if any(o.pending is not None for o in self.models.values()) or now < mm.state.backoff_until \
+                or not policy.full_reload_fits(mm.current, mm.limits, mm.state, obs):
+            return False
+        detail = "unmarked" if v.mark is None else f"from {v.mark.owner}: {v.detail}"
         self._submit(mm, Decision(mm.current, "ClaimOwnership", detail=detail), obs, now, full=True, claim=True)
-        return False
+        return True
 
     # -- acting -----------------------------------------------------------------------------------
     def _act(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> None:
@@ -398,14 +413,14 @@ class Controller:
             self._record(mm, decision, obs, now, "hold")
             return
         if not decision.valid or decision.target == mm.current:
-            self._record(mm, decision, obs, now, "hold")
+            if not self._claim_now(mm, decision, obs, now):
+                self._record(mm, decision, obs, now, "hold")
             return
         if self.config.loop.dry_run:
             self._record(mm, decision, obs, now, "dry_run")
             mm.state = policy.record_dry_run(mm.state, now)
             return
-        full = decision.target.max_queue_delay_us != mm.current.max_queue_delay_us or \
-            (self._mark() is not None and mm.mark != self._mark())     # a new owner mark: a full reload
+        full = decision.target.max_queue_delay_us != mm.current.max_queue_delay_us
         if full and any(o.pending is not None and o.pending.full_reload for o in self.models.values()):
             # why: a full reload holds old + new memory until it finishes; two at once could exceed the budget
             self._record(mm, Decision(mm.current, "HoldOtherFullReload", detail=f"wanted {_fmt(decision.target)}"),

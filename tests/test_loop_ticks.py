@@ -4,6 +4,7 @@ burst of catch-up ticks after a slow one."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -128,7 +129,9 @@ class FakeFiles:
         return out
 
 
-LOOP = LoopConfig(interval_s=1.0, window_s=4.0, settle_s=0.0, min_span_s=2.0, gpu="none")
+# owner_mark off: these tests follow the policy tick by tick, and a claim (a full reload at the first quiet tick)
+# would add its own settling; the claim through the loop is test_claim_waits_for_a_quiet_tick_then_marks below
+LOOP = LoopConfig(interval_s=1.0, window_s=4.0, settle_s=0.0, min_span_s=2.0, gpu="none", owner_mark=False)
 HOT = ModelLimits(p99_target_ms=40.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0)
 
 
@@ -180,17 +183,10 @@ def test_a_slow_reload_does_not_stall_the_loop_or_another_model():
     # both models queue (queue 25 ms of a 30 ms request, p99 estimate 60 ms > 0.8 x 40): both want more
     models = {"slow": FakeModel(300, 30, 5, pending=4), "fast": FakeModel(300, 30, 5, pending=4)}
     ctl, control, _ = make(["slow", "fast"], models, clock)
-    for _ in range(4):     # first each model is marked as ours (a full reload each, one at a time; test_ownership.py)
-        run_ticks(ctl, clock, 1)
-        ctl.wait_for_pending()
-    assert all(m.mark == ctl.me for m in ctl.models.values())
     control.gates["slow"] = threading.Event()
     try:
+        run_ticks(ctl, clock, 5)                          # warm-up (4 s), then both decide to scale up
         slow, fast = ctl.models["slow"], ctl.models["fast"]
-        for _ in range(8):                                # the claims' settle and window, then both scale up
-            run_ticks(ctl, clock, 1)
-            if slow.pending is not None:
-                break
         assert slow.pending is not None, slow.last_decision
         ticks_before = len(slow.observer.counters.samples)
         for _ in range(4):                                # the slow load is still blocked: ticks go on
@@ -327,3 +323,24 @@ def test_tracing_waits_for_a_measured_rate_before_choosing_one():
     assert api.settings == {}                              # one sample: no rate yet
     run_ticks(ctl, clock, 1)
     assert api.settings["m"]["trace_rate"] == "20"         # 400 req/s / 20 samples per second
+
+
+def test_claim_waits_for_a_quiet_tick_then_marks_and_later_loads_keep_the_mark():
+    from controller.ownership import mark_of
+    clock = Clock()
+    models = {"m": FakeModel(50, 5, 4)}
+    ctl, control, _ = make(["m"], models, clock, loop=dataclasses.replace(LOOP, owner_mark=True))
+    ctl.set_status_url("http://127.0.0.1:1/status")     # a controller marks only where others can ask it
+    reasons = []
+    for _ in range(8):
+        run_ticks(ctl, clock, 1)
+        ctl.wait_for_pending()
+        reasons.append(ctl.models["m"].last_reason)
+    mm = ctl.models["m"]
+    assert mark_of(control.configs["m"]) == ctl.me
+    first = reasons.index("ClaimOwnership")
+    assert reasons[first - 1] == "HoldWarmup" and "ClaimOwnership" not in reasons[:first]   # after the warm-up, not in it
+    assert control.loads == [("m", Settings(1, 0))]                              # one load: the claim, same settings
+    result = ctl._actuators["m"].apply("m", Settings(2, 0))
+    assert result.ok and result.kind == "in_place" and mark_of(control.configs["m"]) == ctl.me
+    ctl.close()

@@ -109,8 +109,9 @@ def test_the_mark_survives_the_override_and_count_changes_stay_in_place(srv):
     act = Actuator(control, mark=ME)
     before = len(srv.log_path.read_text(errors="replace"))
     try:
-        first = act.apply(MODEL, Settings(2, 0))
+        first = act.claim(MODEL)
         assert first.ok and first.kind == "full_reload"        # a new parameters map: Triton reloads the model
+        assert act.apply(MODEL, Settings(2, 0)).kind == "in_place"
         live = control.config(MODEL)
         assert mark_of(live) == ME
         assert live["parameters"]["fixed_overhead_ms"]["string_value"] == "4"     # the others are kept
@@ -147,6 +148,15 @@ def _wait(pred, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _tick_until_mine(b, control, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while mark_of(control.config(MODEL)).owner != b.me.owner:
+        assert time.monotonic() < deadline, b.models[MODEL].last_decision
+        b.tick()
+        b.wait_for_pending(60)
+        time.sleep(0.5)
+
+
 def test_second_controller_refuses_while_the_owner_lives_and_takes_over_when_it_is_gone(srv, tmp_path, caplog):
     """A: `python -m controller run` in its own process, with its /status. B: a Controller in this process."""
     control = TritonControl(srv.grpc_url, srv.http_url)
@@ -160,6 +170,8 @@ def test_second_controller_refuses_while_the_owner_lives_and_takes_over_when_it_
     a = subprocess.Popen([sys.executable, "-m", "controller", "run", "--config", str(tmp_path / "a.yaml")],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     b = Controller(_config(srv, tmp_path / "b.jsonl"))
+    b_endpoint = b.metrics.serve(0, status=b.status_snapshot)
+    b.set_status_url(f"http://127.0.0.1:{b_endpoint.port}/status")
     b.ownership.probe_every_s = 0.0
     try:
         mark = _wait(lambda: mark_of(control.config(MODEL)), 60, "A to mark the model")   # A's claim: a full reload
@@ -183,7 +195,7 @@ def test_second_controller_refuses_while_the_owner_lives_and_takes_over_when_it_
         a.kill()                      # A is gone (SIGKILL: no chance to clean up)
         a.wait(10)
         b.tick()                      # same host, its pid gone: taken over at once, no timeout
-        b.wait_for_pending(60)
+        _tick_until_mine(b, control)  # the claim waits for a quiet moment: the policy holding on valid data
         assert any(f"taking over from {mark.owner} (its process {a.pid} is gone)" in r.getMessage() for r in caplog.records)
         assert mark_of(control.config(MODEL)).owner == b.me.owner and control.ready(MODEL)
         records = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
@@ -191,6 +203,7 @@ def test_second_controller_refuses_while_the_owner_lives_and_takes_over_when_it_
     finally:
         if a.poll() is None:
             a.kill()
+        b_endpoint.close()
         b.close()
         control.load(MODEL, original)
 
@@ -202,6 +215,8 @@ def test_a_stale_mark_is_taken_over_after_the_timeout(srv, tmp_path, caplog):
     gone = OwnerMark("elsewhere:4242:1.000", f"http://127.0.0.1:{free_port()}/status")
     assert Actuator(control, mark=gone).claim(MODEL).ok
     b = Controller(_config(srv, tmp_path / "b.jsonl", stale_after_s=1.5))
+    b_endpoint = b.metrics.serve(0, status=b.status_snapshot)
+    b.set_status_url(f"http://127.0.0.1:{b_endpoint.port}/status")
     b.ownership.probe_every_s = 0.0
     caplog.set_level(logging.INFO, logger="controller.loop")
     try:
@@ -210,12 +225,28 @@ def test_a_stale_mark_is_taken_over_after_the_timeout(srv, tmp_path, caplog):
         assert b.status_snapshot()["models"][MODEL]["owner"]["state"] == FOREIGN_UNREACHABLE
         time.sleep(1.7)
         b.tick()
-        b.wait_for_pending(60)
+        _tick_until_mine(b, control)
         taken = [r.getMessage() for r in caplog.records if "taking over" in r.getMessage()]
         assert len(taken) == 1 and gone.owner in taken[0] and "does not answer for 2 s (stale after 1.5 s)" in taken[0], taken
         assert mark_of(control.config(MODEL)).owner == b.me.owner
         b.tick()
         assert b.status_snapshot()["models"][MODEL]["owner"]["mine"] is True
     finally:
+        b_endpoint.close()
         b.close()
         control.load(MODEL, original)
+
+
+def test_a_controller_without_a_status_endpoint_does_not_mark(srv, tmp_path):
+    """Nobody could ask it whether it lives: its mark would look alive (or stale) whatever it does."""
+    control = TritonControl(srv.grpc_url, srv.http_url)
+    c = Controller(_config(srv, tmp_path / "c.jsonl"))
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            c.tick()
+            time.sleep(0.5)
+        assert c.models[MODEL].last_reason == "HoldNoData" or c.models[MODEL].last_decision.valid
+        assert mark_of(control.config(MODEL)) is None
+    finally:
+        c.close()
