@@ -79,6 +79,8 @@ class LoopConfig:
     trace_file: str | None = None       # where the server's trace file is visible from here; None: ask the server
     trace_samples_per_s: float = 20.0   # sampled requests per second and model the trace rate aims at
     observation_log: str | None = None  # JSONL: every tick's observation per model (benchmarks); None: none
+    decision_log_max_mb: float = 10.0   # the decision and observation logs rotate at this size (0: never) ...
+    log_files_kept: int = 3             # ... keeping this many old files: decisions.jsonl.1 ... .3
     owner_mark: bool = True             # mark the configs it applies; refuse models another live controller marked
     owner_stale_after_s: float = 60.0   # another owner's /status silent this long: its mark is stale, take over
 
@@ -123,7 +125,7 @@ class ControllerConfig:
 _INT_RANGES = {
     "min_instances": (1, 64), "max_instances": (1, 64), "min_delay_us": (0, 1_000_000),
     "max_delay_us": (0, 1_000_000), "delay_step_us": (1, 1_000_000), "priority": (-1000, 1000),
-    "metrics_port": (0, 65535),
+    "metrics_port": (0, 65535), "log_files_kept": (1, 100),
 }
 _FLOAT_RANGES = {
     "p99_target_ms": (0.1, 600_000.0), "scale_up_cooldown_s": (0.0, 3600.0),
@@ -131,7 +133,7 @@ _FLOAT_RANGES = {
     "memory_budget_mb": (1.0, 10_000_000.0), "memory_headroom_pct": (0.0, 90.0), "min_gain_pct": (0.0, 100.0),
     "interval_s": (0.1, 600.0), "window_s": (1.0, 3600.0), "settle_s": (0.0, 600.0), "min_span_s": (0.5, 600.0),
     "simulated_device_memory_mb": (1.0, 10_000_000.0), "reload_timeout_s": (1.0, 3600.0),
-    "failure_backoff_s": (0.0, 3600.0), "owner_stale_after_s": (0.0, 86_400.0), "timeout_s": (0.1, 600.0), "trace_samples_per_s": (0.1, 100_000.0),
+    "failure_backoff_s": (0.0, 3600.0), "owner_stale_after_s": (0.0, 86_400.0), "decision_log_max_mb": (0.0, 1_000_000.0), "timeout_s": (0.1, 600.0), "trace_samples_per_s": (0.1, 100_000.0),
 }
 _CHOICES = {"gpu": ("auto", "nvml", "simulated", "none"), "control_protocol": ("grpc", "http")}
 

@@ -93,18 +93,49 @@ _NOT_QUIET = frozenset({"HoldWarmup", "HoldSettling", "HoldCooldown", "HoldBacko
 
 
 class JsonLog:
-    """Append-only JSONL file (None: nothing is written)."""
+    """Append-only JSONL file (None: nothing is written), rotated by size.
 
-    def __init__(self, path: str | None):
+    With `max_bytes`, a line that would take the file past it first rotates: `<path>` -> `<path>.1`,
+    `.1` -> `.2`, ... up to `.<keep>`; the oldest is dropped. So at most (keep + 1) x max_bytes stay on disk.
+    """
+
+    def __init__(self, path: str | None, max_bytes: int | None = None, keep: int = 3):
         self.path = Path(path) if path else None
+        self.max_bytes = max_bytes if max_bytes and max_bytes > 0 else None
+        self.keep = max(1, keep)
+        self._size = 0
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._size = self.path.stat().st_size if self.path.exists() else 0
 
     def write(self, record: dict) -> None:
         if self.path is None:
             return
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        n = len(line.encode())
+        if self.max_bytes is not None and self._size > 0 and self._size + n > self.max_bytes:
+            self._rotate()
         with self.path.open("a") as f:
-            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+            f.write(line)
+        self._size += n
+
+    def _rotate(self) -> None:
+        try:
+            for i in range(self.keep, 0, -1):
+                src = self.path if i == 1 else self.path.with_name(f"{self.path.name}.{i - 1}")
+                if src.exists():
+                    src.replace(self.path.with_name(f"{self.path.name}.{i}"))   # replaces (drops) the oldest
+        except OSError as e:   # a failed rotation must not stop the controller: keep appending
+            log.warning("cannot rotate %s (%s); appending", self.path, e)
+            return
+        self._size = 0
+
+    def files(self) -> list[Path]:
+        """The current file and its rotated ones that exist, newest first."""
+        if self.path is None:
+            return []
+        names = [self.path] + [self.path.with_name(f"{self.path.name}.{i}") for i in range(1, self.keep + 1)]
+        return [p for p in names if p.exists()]
 
 
 DecisionLog = JsonLog
@@ -167,8 +198,9 @@ class Controller:
         self.gpu_mode = config.loop.gpu
         self.gpu = gpu if gpu is not None else self._open_gpu(config.loop.gpu)
         self.simulated = SimulatedDeviceSource(config.loop.simulated_device_memory_mb)
-        self.decision_log = JsonLog(config.loop.decision_log)
-        self.observation_log = JsonLog(config.loop.observation_log)
+        max_bytes = int(config.loop.decision_log_max_mb * 2**20) if config.loop.decision_log_max_mb else None
+        self.decision_log = JsonLog(config.loop.decision_log, max_bytes, config.loop.log_files_kept)
+        self.observation_log = JsonLog(config.loop.observation_log, max_bytes, config.loop.log_files_kept)
         self.metrics = metrics or ControllerMetrics()
         if traces is None:
             api = TraceApi(s.http_url, headers, timeout_s=s.timeout_s) if config.loop.tracing else None

@@ -1,0 +1,82 @@
+"""Issue 13, item 5: the decision and observation logs rotate by size and keep a few files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from controller.config import ConfigError, ControllerConfig, LoopConfig, parse_config
+from controller.loop import JsonLog
+
+
+def _lines(paths) -> list[dict]:
+    out = []
+    for p in paths:
+        out += [json.loads(x) for x in p.read_text().splitlines()]
+    return out
+
+
+def test_rotates_at_the_size_and_keeps_three_old_files(tmp_path):
+    path = tmp_path / "decisions.jsonl"
+    log = JsonLog(str(path), max_bytes=1000, keep=3)
+    for i in range(400):
+        log.write({"i": i, "pad": "x" * 40})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["decisions.jsonl", "decisions.jsonl.1", "decisions.jsonl.2", "decisions.jsonl.3"]
+    assert all(p.stat().st_size <= 1000 for p in tmp_path.iterdir())
+    kept = _lines(reversed(log.files()))                   # oldest file first
+    ids = [r["i"] for r in kept]
+    assert ids == list(range(ids[0], 400))                 # contiguous, newest last: only the oldest were dropped
+    assert 3 * 15 < len(ids) <= 4 * 1000 // 50
+
+
+def test_a_reopened_log_counts_what_is_already_there(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("x" * 995 + "\n")
+    log = JsonLog(str(path), max_bytes=1000, keep=2)
+    log.write({"a": 1})
+    assert (tmp_path / "d.jsonl.1").read_text().startswith("x" * 995)
+    assert _lines([path]) == [{"a": 1}]
+
+
+def test_without_a_limit_it_never_rotates_and_none_writes_nothing(tmp_path):
+    log = JsonLog(str(tmp_path / "d.jsonl"))
+    for i in range(200):
+        log.write({"i": i, "pad": "x" * 100})
+    assert [p.name for p in tmp_path.iterdir()] == ["d.jsonl"]
+    JsonLog(None).write({"a": 1})
+
+
+def test_a_failed_rotation_keeps_appending(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "d.jsonl"
+    log = JsonLog(str(path), max_bytes=100, keep=2)
+    log.write({"pad": "x" * 80})
+    monkeypatch.setattr(type(path), "replace", lambda self, target: (_ for _ in ()).throw(PermissionError("ro")))
+    log.write({"pad": "y" * 80})
+    assert len(_lines([path])) == 2 and "cannot rotate" in caplog.text
+
+
+def test_config_fields_reach_both_logs(tmp_path):
+    from controller.loop import Controller
+    from test_loop_ticks import Clock, FakeControl, FakeScraper
+    from controller.observer import TraceFeed
+    clock = Clock()
+    loop = LoopConfig(decision_log=str(tmp_path / "d.jsonl"), observation_log=str(tmp_path / "o.jsonl"),
+                      decision_log_max_mb=0.5, log_files_kept=5, gpu="none", owner_mark=False)
+    ctl = Controller(ControllerConfig(loop=loop), control=FakeControl(["m"]), scraper=FakeScraper(clock, {}),
+                     clock=clock, traces=TraceFeed(None))
+    assert ctl.decision_log.max_bytes == ctl.observation_log.max_bytes == 512 * 1024
+    assert ctl.decision_log.keep == ctl.observation_log.keep == 5
+    assert JsonLog(str(tmp_path / "x"), *(None, 3)).max_bytes is None
+    assert LoopConfig().decision_log_max_mb == 10.0 and LoopConfig().log_files_kept == 3
+    ctl.close()
+
+
+@pytest.mark.parametrize("raw,msg", [
+    ({"decision_log_max_mb": -1}, "controller.decision_log_max_mb: must be a number in [0, 1e+06], got -1"),
+    ({"log_files_kept": 0}, "controller.log_files_kept: must be an integer in [1, 100], got 0"),
+])
+def test_config_ranges(raw, msg):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"controller": raw})
+    assert str(e.value) == msg
