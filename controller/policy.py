@@ -131,6 +131,12 @@ def gate(obs: Observation, current: Settings, state: PolicyState, loop: LoopConf
         return _hold(current, "HoldBackoff", f"after {state.failures} failed reload(s), until t={state.backoff_until:.1f}")
     if not obs.valid:
         return _hold(current, "HoldNoData", valid=False)
+    if obs.failure_rps > 0:
+        # why: failed requests are a fault (a crashed instance answers each request it gets with an error,
+        # slowly), not load: read as load they look like a queue and a p99 over target -> a scale-up storm and
+        # a false saturation mark. Hold until a window without failures. (Clients sending bad requests hold it too.)
+        return _hold(current, "HoldFailures", f"{obs.failure_rps:.2f} failed req/s of {obs.arrival_rps:.1f} arriving "
+                     "in the window: a fault, not load")
     if now - state.started_at < loop.window_s:
         return _hold(current, "HoldWarmup", f"{now - state.started_at:.1f}/{loop.window_s:g} s of data since start")
     if obs.since < state.last_change_at + loop.settle_s or obs.span_s < loop.min_span_s:

@@ -124,6 +124,15 @@ CASES = [
          st_=state(backoff_until=NOW + 5.0, failures=1), reason="HoldBackoff", target=S(2)),
     case("backoff-ended", o=obs(**PRESSURED), current=S(2),
          st_=state(backoff_until=NOW, failures=1), reason="ScaleUpQueueGrowing", target=S(3)),
+    case("failures-in-window-are-a-fault-not-load", o=obs(failure_rps=0.5, **{**PRESSURED, "p99_ms": 1000.0}), current=S(2),
+         reason="HoldFailures", target=S(2)),
+    case("failures-hold-the-scale-down-too", o=obs(arrival_rps=2.0, completion_rps=1.5, failure_rps=0.5, busy_fraction=0.01),
+         current=S(3), st_=state(low_since=NOW - 100), reason="HoldFailures", target=S(3)),
+    case("failures-no-saturation-mark-from-a-step-under-review", o=obs(failure_rps=1.0, **PRESSURED), current=S(3),
+         st_=state(last_step=_step(NOW - 30.0, S(2), S(3), 200.0)), reason="HoldFailures", target=S(3),
+         check=lambda st: st.saturated_at is None),
+    case("failures-backoff-still-first", o=obs(failure_rps=1.0, **PRESSURED), current=S(2),
+         st_=state(backoff_until=NOW + 5.0, failures=1), reason="HoldBackoff", target=S(2)),
     # ---- instances: up ----
     case("scale-up-queue-growing", o=obs(**PRESSURED), current=S(2), reason="ScaleUpQueueGrowing", target=S(3),
          check=lambda s: s.low_since is None),
@@ -336,8 +345,8 @@ def test_every_passing_decision_records_one_perf_point():
     assert s.perf == (PerfPoint(NOW, 2, 500, 200.0, 200.0, 90.0, met_target=True),)
     _, s2 = decide(obs(p99_ms=130.0), S(2, 500), s, LIMITS, LOOP, NOW + 2)
     assert s2.perf[-1].met_target is False            # over the 100 ms target
-    _, s3 = decide(obs(failure_rps=1.0), S(2, 500), s, LIMITS, LOOP, NOW + 2)
-    assert s3.perf[-1].met_target is False            # failures never meet the target
+    d3, s3 = decide(obs(failure_rps=1.0), S(2, 500), s, LIMITS, LOOP, NOW + 2)
+    assert d3.reason == "HoldFailures" and s3.perf == s.perf   # a window with failures says nothing about capacity
     many = state(perf=tuple(PerfPoint(float(i), 2, 0, 1.0, 1.0, 1.0, True) for i in range(PERF_MEMORY)))
     _, s4 = decide(obs(), S(2), many, LIMITS, LOOP, NOW)
     assert len(s4.perf) == PERF_MEMORY and s4.perf[0].t == 1.0 and s4.perf[-1].t == NOW

@@ -1,0 +1,113 @@
+"""Issue 13, item 3: one instance's stub process is killed (as the OOM killer or a segfault would) under
+open-loop load, against a real tritonserver 2.51 and the controller.
+
+What 2.51 does (measured here, see the printed figures): the model stays READY and keeps the dead instance;
+every request the scheduler hands to it fails after about 1 s ("Stub process '<instance>' is not healthy."),
+the other instance serves the rest. The server does not restart the stub; a full reload of the model
+(all instances new) repairs it. The controller must read the failures as a fault, not as load."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from conftest import start_server
+from controller.actuation import Actuator, TritonControl
+from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.loop import Controller
+from controller.types import Settings
+
+MODEL = "sim_accel"
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = start_server([MODEL])
+    yield s
+    s.stop()
+
+
+def _newest_stub(server) -> int:
+    """The pid of the newest `triton_python_backend_stub` child of tritonserver for the model: the newest instance."""
+    kids = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
+    stubs = [int(k) for k in kids if "triton_python_backend_stub" in open(f"/proc/{k}/cmdline").read()
+             and MODEL in open(f"/proc/{k}/cmdline").read()]
+    assert len(stubs) >= 2, stubs
+    return max(stubs, key=lambda p: os.stat(f"/proc/{p}").st_ctime)
+
+
+def test_a_killed_stub_fails_its_requests_and_the_controller_holds_instead_of_scaling(srv, tmp_path):
+    act = Actuator(TritonControl(srv.grpc_url, srv.http_url))
+    assert act.apply(MODEL, Settings(2, 0)).ok
+    log_path = tmp_path / "decisions.jsonl"
+    cfg = ControllerConfig(
+        server=ServerConfig(http_url=srv.http_url, grpc_url=srv.grpc_url, metrics_url=srv.metrics_url),
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, decision_log=str(log_path),
+                        gpu="simulated"),
+        models={MODEL: ModelLimits(p99_target_ms=50.0, min_instances=2, max_instances=4, scale_up_cooldown_s=1.0,
+                                   scale_down_delay_s=60.0, max_delay_us=0)})
+    controller = Controller(cfg)
+    stop = threading.Event()
+    ctl_thread = threading.Thread(target=controller.run, args=(stop,))
+    live_cfg = TritonControl(srv.grpc_url, srv.http_url).config(MODEL)
+    schedule = poisson_schedule(load_trace({"phases": [{"name": "busy", "duration_s": 20, "rate_rps": 100}]}),
+                                seed=3, max_requests=4000)
+    results: list = []
+    load = threading.Thread(target=lambda: results.extend(
+        run_open_loop_sync(srv.grpc_url, MODEL, schedule, inputs_from_config(live_cfg), timeout_s=10.0)))
+    ctl_thread.start()
+    time.sleep(6)                     # the controller's warm-up window on an idle model
+    t0 = time.time()
+    load.start()
+    try:
+        time.sleep(6)
+        victim = _newest_stub(srv)
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        load.join()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        ctl_thread.join()
+        controller.close()
+    kill_s = killed_at - t0
+    failed = [r for r in results if not r.ok]
+    print(f"\ncrashed instance: {len(results)} requests, {len(failed)} failed "
+          f"({len(failed) / max(1e-9, 20 - kill_s):.2f}/s after the kill at {kill_s:.1f} s); failures scheduled "
+          f"{min((r.scheduled_s for r in failed), default=float('nan')):.1f}-{max((r.scheduled_s for r in failed), default=float('nan')):.1f} s; "
+          f"errors {sorted({(r.error or '')[:90] for r in failed})}")
+    assert failed, "a dead instance fails the requests handed to it (2.51)"
+    assert all("is not healthy" in (r.error or "") for r in failed), {r.error for r in failed}
+    assert all(r.scheduled_s >= kill_s - 0.5 for r in failed)
+    assert len(failed) < 0.2 * len(results)                      # the other instance serves the rest
+    assert TritonControl(srv.grpc_url, srv.http_url).ready(MODEL)   # READY throughout: the server does not notice
+
+    records = [json.loads(x) for x in log_path.read_text().splitlines()]
+    after = [r for r in records if r["time"] >= killed_at]
+    holds = [r for r in after if r["reason"] == "HoldFailures"]
+    assert holds and "failed req/s" in holds[0]["detail"], [(r["reason"], r["detail"]) for r in after]
+    ups = [r for r in after if r["action"] in ("started", "applied") and r["reason"].startswith("ScaleUp")]
+    assert not ups, [(r["reason"], r["detail"]) for r in ups]     # no scale-up storm
+    assert controller.models[MODEL].state.saturated_at is None   # no saturation mark
+    assert not any(r["reason"] == "HoldSaturated" for r in after)
+
+    # the repair: a full reload creates every instance anew (here: a delay change there and back)
+    assert act.apply(MODEL, Settings(2, 500)).ok and act.apply(MODEL, Settings(2, 0)).ok
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    x = np.ones((1, 16), np.float32)
+    ok = 0
+    for _ in range(40):
+        inp = grpcclient.InferInput("INPUT", [1, 16], "FP32")
+        inp.set_data_from_numpy(x)
+        client.infer(MODEL, [inp])
+        ok += 1
+    assert ok == 40
+    assert act.apply(MODEL, Settings(1, 0)).ok
