@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--auth-header", help="with --url: repository-API header; its value from $TRITON_ADMIN_KEY")
     so.add_argument("--gap-s", type=_bounded(float, 0.0, 60.0), default=0.5, help="pause between reloads (default 0.5)")
     so.add_argument("--seed", type=_bounded(int, 0, 2**31 - 1), default=0, help="Poisson schedule seed (default 0)")
+    so.add_argument("--protocols", type=_protocols, default=("grpc", "http"),
+                    help="inference clients driven at once, the rate split evenly (default grpc,http)")
     return p
 
 
@@ -499,11 +501,18 @@ def cmd_bench(args) -> int:
         raise UsageError(str(e)) from None
 
 
+def _protocols(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not names or any(p not in ("grpc", "http") for p in names):
+        raise argparse.ArgumentTypeError(f"expected grpc, http or grpc,http; got {text!r}")
+    return names
+
+
 def cmd_soak(args) -> int:
     from .soak import SoakError, SoakOptions, run_soak, summary_line
     opts = SoakOptions(reloads=args.reloads, out=args.out, rate_rps=args.rate_rps, model=args.model,
                        repository=args.repository, url=args.url, grpc_url=args.grpc_url, metrics_url=args.metrics_url,
-                       auth_header=args.auth_header, gap_s=args.gap_s, seed=args.seed)
+                       auth_header=args.auth_header, gap_s=args.gap_s, seed=args.seed, protocols=args.protocols)
     if not args.url and (args.grpc_url or args.metrics_url or args.auth_header):
         raise UsageError("--grpc-url, --metrics-url and --auth-header need --url")
     try:

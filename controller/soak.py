@@ -64,6 +64,7 @@ class SoakOptions:
     gap_s: float = 0.5                     # pause between two reloads
     seed: int = 0
     request_timeout_s: float = 10.0
+    protocols: tuple[str, ...] = ("grpc", "http")   # clients of each at once; the offered rate is split evenly
 
 
 # ---- counters -------------------------------------------------------------------------------------
@@ -100,9 +101,10 @@ class LoadThread(threading.Thread):
     the offered rate has no gaps; the records of all segments are kept.
     """
 
-    def __init__(self, grpc_url: str, model: str, make_inputs, rate_rps: float, seed: int, timeout_s: float):
-        super().__init__(name="soak-load", daemon=True)
-        self.grpc_url, self.model, self.make_inputs = grpc_url, model, make_inputs
+    def __init__(self, url: str, model: str, make_inputs, rate_rps: float, seed: int, timeout_s: float,
+                 protocol: str = "grpc"):
+        super().__init__(name=f"soak-load-{protocol}", daemon=True)
+        self.url, self.model, self.make_inputs, self.protocol = url, model, make_inputs, protocol
         self.rate_rps, self.seed, self.timeout_s = rate_rps, seed, timeout_s
         self.stop = threading.Event()
         self.records: list = []
@@ -123,8 +125,8 @@ class LoadThread(threading.Thread):
         tasks = []
         while not self.stop.is_set():
             schedule = poisson_schedule(trace, seed=self.seed * 100_003 + self.segments, max_requests=cap)
-            tasks.append(asyncio.create_task(run_open_loop(self.grpc_url, self.model, schedule, self.make_inputs,
-                                                           timeout_s=self.timeout_s)))
+            tasks.append(asyncio.create_task(run_open_loop(self.url, self.model, schedule, self.make_inputs,
+                                                           protocol=self.protocol, timeout_s=self.timeout_s)))
             self.segments += 1
             next_at = t0 + self.segments * SEGMENT_S
             while not self.stop.is_set() and loop.time() < next_at:
@@ -238,15 +240,17 @@ def _soak(opts: SoakOptions, http: str, grpc: str, metrics: str, headers: dict, 
             return None if s is None else s.success_count
 
         sample()
-        load = LoadThread(grpc, opts.model, inputs_from_config(live_cfg, opts.seed), opts.rate_rps, opts.seed,
-                          opts.request_timeout_s)
+        per_rate = opts.rate_rps / len(opts.protocols)
+        loads = [LoadThread(grpc if p == "grpc" else http, opts.model, inputs_from_config(live_cfg, opts.seed), per_rate,
+                            opts.seed + 7919 * k, opts.request_timeout_s, protocol=p) for k, p in enumerate(opts.protocols)]
         t_start = time.monotonic()
-        load.start()
+        for load in loads:
+            load.start()
         time.sleep(WARMUP_S)
         current, done = base, []
         try:
             for i in range(opts.reloads):
-                if load.error is not None:
+                if any(load.error is not None for load in loads):
                     break
                 expected, target = _targets(base, i, current)
                 before_stats = stats_success()
@@ -277,19 +281,32 @@ def _soak(opts: SoakOptions, http: str, grpc: str, metrics: str, headers: dict, 
                 time.sleep(opts.gap_s)
             time.sleep(TAIL_S)
         finally:
-            load.stop.set()
-            load.join()
+            for load in loads:
+                load.stop.set()
+            for load in loads:
+                load.join()
         sample()
         restored = None
         if current != base:   # leave the model as we found it (after the load, so it is not counted)
             restored = actuator.apply(opts.model, base).ok
     finally:
         control.close()
-    if load.error is not None and not load.records:
-        raise RuntimeError(f"the load generator failed: {load.error}")
+    for load in loads:
+        if load.error is not None and not load.records:
+            raise RuntimeError(f"the {load.protocol} load generator failed: {load.error}")
     elapsed = time.monotonic() - t_start
-    records = load.records
+    records = [r for load in loads for r in load.records]
     failed = [r for r in records if not r.ok]
+
+    def per_protocol(load: LoadThread) -> dict[str, Any]:
+        bad = [r for r in load.records if not r.ok]
+        lat = [1000.0 * r.latency_s for r in load.records if r.ok and r.latency_s is not None]
+        return {"rate_rps": per_rate, "requests": len(load.records), "failed_requests": len(bad),
+                "client_errors": dict(Counter(r.error or "unknown" for r in bad)),
+                "latency_ms": {"p50": _round(_percentile(lat, 50)), "p99": _round(_percentile(lat, 99)),
+                               "max": _round(max(lat) if lat else None)},
+                "load_error": None if load.error is None else str(load.error)}
+
     latencies = [1000.0 * r.latency_s for r in records if r.ok and r.latency_s is not None]
     kinds = Counter(r["kind"] for r in done)
     doc = {
@@ -305,7 +322,9 @@ def _soak(opts: SoakOptions, http: str, grpc: str, metrics: str, headers: dict, 
                         for k in ("in_place", "full_reload")},
         "latency_ms": {"p50": _round(_percentile(latencies, 50)), "p99": _round(_percentile(latencies, 99)),
                        "max": _round(max(latencies) if latencies else None)},
-        "base": dataclasses.asdict(base), "restored": restored, "load_error": None if load.error is None else str(load.error),
+        "protocols": {load.protocol: per_protocol(load) for load in loads},
+        "base": dataclasses.asdict(base), "restored": restored,
+        "load_error": next((str(load.error) for load in loads if load.error is not None), None),
         "elapsed_s": round(elapsed, 1), "reload_log": done,
     }
     out = Path(opts.out)
@@ -322,6 +341,8 @@ def summary_line(doc: dict) -> str:
     d = doc["durations_s"]
     return (f"soak {doc['model']}: {doc['reloads']} reloads ({doc['kinds']['in_place']} in place, "
             f"{doc['kinds']['full_reload']} full; {doc['reloads_failed']} failed), {doc['requests']} requests at "
-            f"{doc['rate_rps']:g} req/s, {doc['failed_requests']} failed, server failures {doc['server_failures']}; "
+            f"{doc['rate_rps']:g} req/s, {doc['failed_requests']} failed ("
+            + ", ".join(f"{p} {v['failed_requests']} of {v['requests']}" for p, v in doc.get("protocols", {}).items())
+            + f"), server failures {doc['server_failures']}; "
             f"reload s mean in place {d['in_place']['mean']}, full {d['full_reload']['mean']}; "
             f"p99 {doc['latency_ms']['p99']} ms")

@@ -42,6 +42,11 @@ def test_short_soak_loses_no_request(tmp_path, capsys):
     # the load ran through the whole soak, and nothing was lost on either side
     assert doc["requests"] >= 60 * doc["elapsed_s"] * 0.6, doc["requests"]
     assert doc["failed_requests"] == 0 and doc["client_errors"] == {}
+    assert set(doc["protocols"]) == {"grpc", "http"}                  # both kinds of client at once, by default
+    for p, v in doc["protocols"].items():
+        assert v["requests"] > 0 and v["failed_requests"] == 0 and v["rate_rps"] == 30.0, (p, v)
+    assert sum(v["requests"] for v in doc["protocols"].values()) == doc["requests"]
+    assert "grpc 0 of" in out and "http 0 of" in out
     assert doc["server_failures"] == 0
     assert doc["server_successes"] == doc["requests"]        # the server counted every request we sent
     assert doc["server_scrapes_missed"] == 0
@@ -81,3 +86,11 @@ def test_soak_without_the_key_is_refused_by_the_server(guarded_server, tmp_path,
     assert rc == 1
     assert doc["reloads_failed"] == 2 and all("restricted" in r["error"] for r in doc["reload_log"])
     assert doc["failed_requests"] == 0                     # inference stays open; only the reloads are refused
+
+
+def test_protocols_flag_is_checked():
+    from controller.cli import _protocols
+    assert _protocols("http") == ("http",) and _protocols("grpc,http,grpc") == ("grpc", "http")
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError):
+        _protocols("grpc,websocket")
