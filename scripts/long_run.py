@@ -1,0 +1,161 @@
+"""Long run: `serve` under a varying open-loop load (the controller reloads as the load moves), sampling the
+controller's and the server's resident memory, open file descriptors and threads.
+
+    .venv/bin/python scripts/long_run.py --minutes 60 --every-s 60 --out docs/bench/long_run_60min.json
+
+The controller runs inside the `serve` process; the server is its `tritonserver` child, and the Python
+backend's stub processes (one per instance) are the server's children: each sample has all three (stubs
+summed, and counted). The load alternates between a low and a high rate every `--phase-s` seconds, so the
+controller adds and removes instances all along. `check_growth` is what CI asserts on a short run
+(tests/test_long_run.py): after a warm-up, no figure grows past a bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync  # noqa: E402
+from controller.server import free_port  # noqa: E402
+
+MODEL = "sim_accel"
+
+
+def _status(pid: int) -> dict[str, str]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            out[key] = value.strip()
+    return out
+
+
+def proc_figures(pid: int) -> dict[str, float] | None:
+    """RSS (MiB), open fds and threads of one process; None if it is gone."""
+    try:
+        st = _status(pid)
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return {"rss_mb": round(int(st.get("VmRSS", "0 kB").split()[0]) / 1024, 1), "fds": fds,
+            "threads": int(st.get("Threads", "0"))}
+
+
+def children(pid: int) -> list[int]:
+    r = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in r.stdout.split()]
+
+
+def sample(controller_pid: int, server_pid: int, t0: float) -> dict:
+    """One sample: the controller (serve), the server, and the server's stub processes summed."""
+    stubs = [f for f in (proc_figures(p) for p in children(server_pid)) if f is not None]
+    return {"t_s": round(time.monotonic() - t0, 1), "controller": proc_figures(controller_pid),
+            "server": proc_figures(server_pid),
+            "stubs": {"count": len(stubs), **{k: round(sum(s[k] for s in stubs), 1) for k in ("rss_mb", "fds", "threads")}}}
+
+
+def check_growth(samples: list[dict], warmup_s: float, rss_mb: float, fds: int, threads: int,
+                 who: tuple[str, ...] = ("controller", "server")) -> list[str]:
+    """What grew past its bound after the warm-up: the last sample against the first one after `warmup_s`
+    (empty when flat). The stubs come and go with the instance count, so they are not judged by default."""
+    after = [s for s in samples if s["t_s"] >= warmup_s and all(s.get(w) for w in who)]
+    if len(after) < 2:
+        return [f"only {len(after)} samples after the warm-up"]
+    first, last = after[0], after[-1]
+    bounds = {"rss_mb": rss_mb, "fds": fds, "threads": threads}
+    return [f"{w} {k}: {first[w][k]} -> {last[w][k]} (bound +{b})" for w in who for k, b in bounds.items()
+            if last[w][k] - first[w][k] > b]
+
+
+class Load(threading.Thread):
+    """Open-loop Poisson load alternating low/high every `phase_s` until stopped (one phase per schedule)."""
+
+    def __init__(self, grpc_url: str, cfg: dict, low: float, high: float, phase_s: float):
+        super().__init__(daemon=True)
+        self.grpc_url, self.cfg, self.low, self.high, self.phase_s = grpc_url, cfg, low, high, phase_s
+        self.stop = threading.Event()
+        self.requests = self.failed = 0
+        self.errors: dict[str, int] = {}
+
+    def run(self) -> None:
+        k = 0
+        while not self.stop.is_set():
+            rate = self.high if k % 2 else self.low
+            trace = load_trace({"phases": [{"name": "p", "duration_s": self.phase_s, "rate_rps": rate}]})
+            sched = poisson_schedule(trace, seed=k, max_requests=int(rate * self.phase_s * 3) + 10)
+            for r in run_open_loop_sync(self.grpc_url, MODEL, sched, inputs_from_config(self.cfg), timeout_s=10.0):
+                self.requests += 1
+                if not r.ok:
+                    self.failed += 1
+                    key = (r.error or "unknown")[:120]
+                    self.errors[key] = self.errors.get(key, 0) + 1
+            k += 1
+
+
+def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: float = 30.0, high_rps: float = 250.0,
+             log=print) -> dict:
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "controller", "serve", "--models", MODEL, "--http-port", str(http),
+                              "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    samples: list[dict] = []
+    load = None
+    try:
+        for line in serve.stdout:
+            if line.startswith("controller managing"):
+                break
+        else:
+            raise RuntimeError("serve stopped before the controller started")
+        threading.Thread(target=lambda: [None for _ in serve.stdout], daemon=True).start()   # drain its output
+        server_pid = next(p for p in children(serve.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read())
+        import tritonclient.grpc as grpcclient
+        cfg = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}").get_model_config(MODEL, as_json=True)["config"]
+        load = Load(f"127.0.0.1:{grpc}", cfg, low_rps, high_rps, phase_s)
+        t0 = time.monotonic()
+        load.start()
+        while time.monotonic() - t0 < minutes * 60:
+            samples.append(sample(serve.pid, server_pid, t0))
+            log(json.dumps(samples[-1]))
+            time.sleep(max(0.0, min(every_s, minutes * 60 - (time.monotonic() - t0))))
+        samples.append(sample(serve.pid, server_pid, t0))
+    finally:
+        if load is not None:
+            load.stop.set()
+            load.join(timeout=phase_s + 15)
+        serve.send_signal(2)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+    return {"minutes": minutes, "every_s": every_s, "phase_s": phase_s, "low_rps": low_rps, "high_rps": high_rps,
+            "requests": None if load is None else load.requests, "failed_requests": None if load is None else load.failed,
+            "errors": None if load is None else load.errors, "serve_exit": serve.returncode, "samples": samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--every-s", type=float, default=60.0, help="seconds between samples (default 60)")
+    p.add_argument("--phase-s", type=float, default=20.0, help="seconds per load phase, low/high alternating")
+    p.add_argument("--out", type=Path, help="write the samples as JSON here (e.g. docs/bench/long_run_60min.json)")
+    p.add_argument("--warmup-s", type=float, default=120.0, help="growth is judged after this (default 120)")
+    args = p.parse_args(argv)
+    doc = long_run(args.minutes, args.every_s, args.phase_s)
+    doc["growth"] = check_growth(doc["samples"], args.warmup_s, rss_mb=50, fds=20, threads=10)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"{doc['requests']} requests, {doc['failed_requests']} failed; growth beyond bounds: {doc['growth'] or 'none'}")
+    return 0 if not doc["growth"] and not doc["failed_requests"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

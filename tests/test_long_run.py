@@ -1,0 +1,35 @@
+"""Issue 13, item 5, short CI version of scripts/long_run.py: `serve` for a minute under a load alternating
+low/high (the controller scales up and down), sampled every 3 s; after a 30-s warm-up neither the controller
+nor the server grows past a bound in RSS, open fds or threads, and no request fails."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("long_run", ROOT / "scripts" / "long_run.py")
+long_run = importlib.util.module_from_spec(spec)
+sys.modules["long_run"] = long_run
+spec.loader.exec_module(long_run)
+
+
+def test_check_growth_flags_only_what_grew_past_its_bound():
+    s = lambda t, rss, fds, th: {"t_s": t, "controller": {"rss_mb": rss, "fds": fds, "threads": th},  # noqa: E731
+                                 "server": {"rss_mb": 100, "fds": 50, "threads": 40}}
+    flat = [s(0, 10, 5, 5), s(40, 80, 9, 9), s(80, 85, 9, 9)]
+    assert long_run.check_growth(flat, 30, rss_mb=20, fds=5, threads=5) == []
+    grew = [s(40, 80, 9, 9), s(80, 120, 30, 9)]
+    assert long_run.check_growth(grew, 30, rss_mb=20, fds=5, threads=5) == [
+        "controller rss_mb: 80 -> 120 (bound +20)", "controller fds: 9 -> 30 (bound +5)"]
+    assert long_run.check_growth(flat[:1], 30, 1, 1, 1) == ["only 0 samples after the warm-up"]
+
+
+def test_one_minute_of_serve_under_varying_load_stays_flat():
+    doc = long_run.long_run(minutes=1.0, every_s=3.0, phase_s=8.0, low_rps=20.0, high_rps=200.0, log=lambda _: None)
+    samples = doc["samples"]
+    assert len(samples) >= 15 and doc["serve_exit"] == 0
+    assert doc["requests"] > 2000 and doc["failed_requests"] == 0, doc["errors"]
+    assert max(s["stubs"]["count"] for s in samples) >= 2              # the controller did add instances
+    growth = long_run.check_growth(samples, warmup_s=30.0, rss_mb=40, fds=15, threads=10)
+    assert not growth, (growth, [(s["t_s"], s["controller"], s["server"]) for s in samples])
