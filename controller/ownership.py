@@ -31,6 +31,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import runstate
+
 OWNER_KEY = "triton_autotune_owner"
 
 MINE, UNMARKED, FOREIGN_LIVE, FOREIGN_UNREACHABLE, TAKE_OVER = (
@@ -110,14 +112,6 @@ def probe_status(url: str, timeout_s: float = 1.0) -> dict | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -145,7 +139,7 @@ class OwnershipGuard:
     stale_after_s: float = 60.0
     probe_every_s: float = 5.0
     probe: Callable[[str], dict | None] = probe_status
-    pid_alive: Callable[[int], bool] = _pid_alive
+    pid_alive: Callable[[int], bool] = runstate.pid_alive
     hostname: str = field(default_factory=socket.gethostname)
     _seen: dict[str, _Seen] = field(default_factory=dict)
 

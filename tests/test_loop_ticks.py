@@ -336,7 +336,6 @@ def test_claim_waits_for_a_quiet_tick_then_marks_and_later_loads_keep_the_mark()
         run_ticks(ctl, clock, 1)
         ctl.wait_for_pending()
         reasons.append(ctl.models["m"].last_reason)
-    mm = ctl.models["m"]
     assert mark_of(control.configs["m"]) == ctl.me
     first = reasons.index("ClaimOwnership")
     assert reasons[first - 1] == "HoldWarmup" and "ClaimOwnership" not in reasons[:first]   # after the warm-up, not in it

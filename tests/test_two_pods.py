@@ -25,7 +25,6 @@ from controller.capacity import HEADROOM_MAX
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.loop import Controller
-from controller.policy import instance_ceiling
 
 MODEL = "sim_accel"
 TARGET = 0.8                     # the HPA's averageValue in deploy/k8s/hpa.yaml
