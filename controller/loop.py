@@ -138,8 +138,6 @@ class JsonLog:
         return [p for p in names if p.exists()]
 
 
-DecisionLog = JsonLog
-
 
 def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) -> tuple[policy.PerfPoint, ...]:
     """A sweep's cells for `model` as the policy's perf memory, judged against this model's own target.

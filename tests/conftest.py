@@ -32,3 +32,11 @@ def server():
     s = start_server(["resnet_tiny", "sim_accel"])
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def sim_server():
+    """A server with only the SIMULATED accelerator model, one per test module."""
+    s = start_server(["sim_accel"])
+    yield s
+    s.stop()

@@ -8,7 +8,6 @@ import json
 import threading
 import time
 
-import pytest
 
 from conftest import start_server
 from controller.actuation import Actuator, TritonControl
@@ -19,12 +18,6 @@ from controller.types import Settings
 
 MODEL = "sim_accel"
 
-
-@pytest.fixture(scope="module")
-def sim_server():
-    s = start_server([MODEL])
-    yield s
-    s.stop()
 
 
 def _config(server, log_path, dry_run=False) -> ControllerConfig:

@@ -15,10 +15,8 @@ import threading
 import time
 
 import numpy as np
-import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import start_server
 from controller.actuation import Actuator, TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
@@ -27,12 +25,6 @@ from controller.types import Settings
 
 MODEL = "sim_accel"
 
-
-@pytest.fixture(scope="module")
-def srv():
-    s = start_server([MODEL])
-    yield s
-    s.stop()
 
 
 def _newest_stub(server) -> int:
@@ -44,12 +36,12 @@ def _newest_stub(server) -> int:
     return max(stubs, key=lambda p: os.stat(f"/proc/{p}").st_ctime)
 
 
-def test_a_killed_stub_fails_its_requests_and_the_controller_holds_instead_of_scaling(srv, tmp_path):
-    act = Actuator(TritonControl(srv.grpc_url, srv.http_url))
+def test_a_killed_stub_fails_its_requests_and_the_controller_holds_instead_of_scaling(sim_server, tmp_path):
+    act = Actuator(TritonControl(sim_server.grpc_url, sim_server.http_url))
     assert act.apply(MODEL, Settings(2, 0)).ok
     log_path = tmp_path / "decisions.jsonl"
     cfg = ControllerConfig(
-        server=ServerConfig(http_url=srv.http_url, grpc_url=srv.grpc_url, metrics_url=srv.metrics_url),
+        server=ServerConfig(http_url=sim_server.http_url, grpc_url=sim_server.grpc_url, metrics_url=sim_server.metrics_url),
         loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, decision_log=str(log_path),
                         gpu="simulated"),
         models={MODEL: ModelLimits(p99_target_ms=50.0, min_instances=2, max_instances=4, scale_up_cooldown_s=1.0,
@@ -57,19 +49,19 @@ def test_a_killed_stub_fails_its_requests_and_the_controller_holds_instead_of_sc
     controller = Controller(cfg)
     stop = threading.Event()
     ctl_thread = threading.Thread(target=controller.run, args=(stop,))
-    live_cfg = TritonControl(srv.grpc_url, srv.http_url).config(MODEL)
+    live_cfg = TritonControl(sim_server.grpc_url, sim_server.http_url).config(MODEL)
     schedule = poisson_schedule(load_trace({"phases": [{"name": "busy", "duration_s": 20, "rate_rps": 100}]}),
                                 seed=3, max_requests=4000)
     results: list = []
     load = threading.Thread(target=lambda: results.extend(
-        run_open_loop_sync(srv.grpc_url, MODEL, schedule, inputs_from_config(live_cfg), timeout_s=10.0)))
+        run_open_loop_sync(sim_server.grpc_url, MODEL, schedule, inputs_from_config(live_cfg), timeout_s=10.0)))
     ctl_thread.start()
     time.sleep(6)                     # the controller's warm-up window on an idle model
     t0 = time.time()
     load.start()
     try:
         time.sleep(6)
-        victim = _newest_stub(srv)
+        victim = _newest_stub(sim_server)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         load.join()
@@ -88,7 +80,7 @@ def test_a_killed_stub_fails_its_requests_and_the_controller_holds_instead_of_sc
     assert all("is not healthy" in (r.error or "") for r in failed), {r.error for r in failed}
     assert all(r.scheduled_s >= kill_s - 0.5 for r in failed)
     assert len(failed) < 0.2 * len(results)                      # the other instance serves the rest
-    assert TritonControl(srv.grpc_url, srv.http_url).ready(MODEL)   # READY throughout: the server does not notice
+    assert TritonControl(sim_server.grpc_url, sim_server.http_url).ready(MODEL)   # READY throughout: the server does not notice
 
     records = [json.loads(x) for x in log_path.read_text().splitlines()]
     after = [r for r in records if r["time"] >= killed_at]
@@ -101,7 +93,7 @@ def test_a_killed_stub_fails_its_requests_and_the_controller_holds_instead_of_sc
 
     # the repair: a full reload creates every instance anew (here: a delay change there and back)
     assert act.apply(MODEL, Settings(2, 500)).ok and act.apply(MODEL, Settings(2, 0)).ok
-    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    client = grpcclient.InferenceServerClient(sim_server.grpc_url)
     x = np.ones((1, 16), np.float32)
     ok = 0
     for _ in range(40):

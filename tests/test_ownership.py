@@ -13,7 +13,7 @@ import yaml
 
 import pytest
 
-from conftest import ROOT, start_server
+from conftest import ROOT
 from controller.actuation import Actuator, TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.loop import Controller
@@ -92,22 +92,16 @@ def test_mark_round_trips_through_a_config():
 MODEL = "sim_accel"
 
 
-@pytest.fixture(scope="module")
-def srv():
-    s = start_server([MODEL])
-    yield s
-    s.stop()
+
+def _unloads(sim_server, offset: int) -> int:
+    return sim_server.log_path.read_text(errors="replace")[offset:].count("successfully unloaded 'sim_accel'")
 
 
-def _unloads(srv, offset: int) -> int:
-    return srv.log_path.read_text(errors="replace")[offset:].count("successfully unloaded 'sim_accel'")
-
-
-def test_the_mark_survives_the_override_and_count_changes_stay_in_place(srv):
-    control = TritonControl(srv.grpc_url, srv.http_url)
+def test_the_mark_survives_the_override_and_count_changes_stay_in_place(sim_server):
+    control = TritonControl(sim_server.grpc_url, sim_server.http_url)
     original = control.config(MODEL)
     act = Actuator(control, mark=ME)
-    before = len(srv.log_path.read_text(errors="replace"))
+    before = len(sim_server.log_path.read_text(errors="replace"))
     try:
         first = act.claim(MODEL)
         assert first.ok and first.kind == "full_reload"        # a new parameters map: Triton reloads the model
@@ -116,23 +110,23 @@ def test_the_mark_survives_the_override_and_count_changes_stay_in_place(srv):
         assert mark_of(live) == ME
         assert live["parameters"]["fixed_overhead_ms"]["string_value"] == "4"     # the others are kept
         deadline = time.monotonic() + 15      # the old copy goes in the background after the new one is live
-        while _unloads(srv, before) < 1 and time.monotonic() < deadline:
+        while _unloads(sim_server, before) < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        offset = len(srv.log_path.read_text(errors="replace"))
+        offset = len(sim_server.log_path.read_text(errors="replace"))
         up = act.apply(MODEL, Settings(3, 0))
         down = act.apply(MODEL, Settings(1, 0))
         assert up.ok and up.kind == "in_place" and down.ok and down.kind == "in_place"
-        log = srv.log_path.read_text(errors="replace")[offset:]
-        assert "sim_accel_0_2" in log and _unloads(srv, offset) == 0, log[-2000:]   # same mark: no full reload
+        log = sim_server.log_path.read_text(errors="replace")[offset:]
+        assert "sim_accel_0_2" in log and _unloads(sim_server, offset) == 0, log[-2000:]   # same mark: no full reload
         assert mark_of(control.config(MODEL)) == ME
     finally:
         control.load(MODEL, original)
     assert mark_of(control.config(MODEL)) is None
 
 
-def _config(srv, log_path, stale_after_s: float = 60.0) -> ControllerConfig:
+def _config(sim_server, log_path, stale_after_s: float = 60.0) -> ControllerConfig:
     return ControllerConfig(
-        server=ServerConfig(http_url=srv.http_url, grpc_url=srv.grpc_url, metrics_url=srv.metrics_url),
+        server=ServerConfig(http_url=sim_server.http_url, grpc_url=sim_server.grpc_url, metrics_url=sim_server.metrics_url),
         loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, decision_log=str(log_path),
                         gpu="simulated", owner_stale_after_s=stale_after_s, tracing=False),
         models={MODEL: ModelLimits(p99_target_ms=15.0, max_instances=4)})
@@ -157,19 +151,19 @@ def _tick_until_mine(b, control, timeout_s: float = 30.0) -> None:
         time.sleep(0.5)
 
 
-def test_second_controller_refuses_while_the_owner_lives_and_takes_over_when_it_is_gone(srv, tmp_path, caplog):
+def test_second_controller_refuses_while_the_owner_lives_and_takes_over_when_it_is_gone(sim_server, tmp_path, caplog):
     """A: `python -m controller run` in its own process, with its /status. B: a Controller in this process."""
-    control = TritonControl(srv.grpc_url, srv.http_url)
+    control = TritonControl(sim_server.grpc_url, sim_server.http_url)
     original = control.config(MODEL)
     port = free_port()
     (tmp_path / "a.yaml").write_text(yaml.safe_dump({
-        "server": {"http_url": srv.http_url, "grpc_url": srv.grpc_url, "metrics_url": srv.metrics_url},
+        "server": {"http_url": sim_server.http_url, "grpc_url": sim_server.grpc_url, "metrics_url": sim_server.metrics_url},
         "controller": {"interval_s": 0.5, "window_s": 4, "min_span_s": 2, "settle_s": 1, "gpu": "simulated",
                        "tracing": False, "metrics_port": port, "decision_log": str(tmp_path / "a.jsonl")},
         "models": {MODEL: {"p99_target_ms": 15}}}))
     a = subprocess.Popen([sys.executable, "-m", "controller", "run", "--config", str(tmp_path / "a.yaml")],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    b = Controller(_config(srv, tmp_path / "b.jsonl"))
+    b = Controller(_config(sim_server, tmp_path / "b.jsonl"))
     b_endpoint = b.metrics.serve(0, status=b.status_snapshot)
     b.set_status_url(f"http://127.0.0.1:{b_endpoint.port}/status")
     b.ownership.probe_every_s = 0.0
@@ -208,13 +202,13 @@ def test_second_controller_refuses_while_the_owner_lives_and_takes_over_when_it_
         control.load(MODEL, original)
 
 
-def test_a_stale_mark_is_taken_over_after_the_timeout(srv, tmp_path, caplog):
+def test_a_stale_mark_is_taken_over_after_the_timeout(sim_server, tmp_path, caplog):
     """A mark from a controller on another host whose /status no longer answers."""
-    control = TritonControl(srv.grpc_url, srv.http_url)
+    control = TritonControl(sim_server.grpc_url, sim_server.http_url)
     original = control.config(MODEL)
     gone = OwnerMark("elsewhere:4242:1.000", f"http://127.0.0.1:{free_port()}/status")
     assert Actuator(control, mark=gone).claim(MODEL).ok
-    b = Controller(_config(srv, tmp_path / "b.jsonl", stale_after_s=1.5))
+    b = Controller(_config(sim_server, tmp_path / "b.jsonl", stale_after_s=1.5))
     b_endpoint = b.metrics.serve(0, status=b.status_snapshot)
     b.set_status_url(f"http://127.0.0.1:{b_endpoint.port}/status")
     b.ownership.probe_every_s = 0.0
@@ -237,10 +231,10 @@ def test_a_stale_mark_is_taken_over_after_the_timeout(srv, tmp_path, caplog):
         control.load(MODEL, original)
 
 
-def test_a_controller_without_a_status_endpoint_does_not_mark(srv, tmp_path):
+def test_a_controller_without_a_status_endpoint_does_not_mark(sim_server, tmp_path):
     """Nobody could ask it whether it lives: its mark would look alive (or stale) whatever it does."""
-    control = TritonControl(srv.grpc_url, srv.http_url)
-    c = Controller(_config(srv, tmp_path / "c.jsonl"))
+    control = TritonControl(sim_server.grpc_url, sim_server.http_url)
+    c = Controller(_config(sim_server, tmp_path / "c.jsonl"))
     try:
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline:

@@ -15,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from conftest import ROOT, start_server
@@ -79,12 +78,6 @@ def _no_traceback(caplog) -> None:
     bad = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not bad, [r.getMessage() for r in bad]
 
-
-@pytest.fixture(scope="module")
-def sim_server():
-    s = start_server([MODEL])
-    yield s
-    s.stop()
 
 
 # ---- 2. a reload that fails -----------------------------------------------------------------------
