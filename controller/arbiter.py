@@ -84,7 +84,7 @@ def arbitrate(views: list[ModelView]) -> dict[str, Decision]:
 
 def _give(donor: ModelView, hot: ModelView, reason: str, detail: str) -> Decision:
     target = dataclasses.replace(donor.current, instance_count=donor.current.instance_count - 1)
-    return Decision(target=target, reason=reason, detail=detail)
+    return Decision(target=target, reason=reason, detail=detail, mode="arbiter")
 
 
 def _mib(v: ModelView) -> str:

@@ -286,8 +286,10 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
     busy = [o for o in observations if (o.get("arrival_rps") or 0) >= min_rps and o.get("p99_ms") is not None]
     readings = [[round(o["t_s"], 2), o["p99_ms"], o["p99_source"]] for o in observations
                 if o.get("p99_ms") is not None and 0 <= o["t_s"] <= trace.duration_s]
+    predictions = [[round(o["t_s"], 2), o["predicted_p99_ms"]] for o in observations
+                   if o.get("predicted_p99_ms") is not None and 0 <= o["t_s"] <= trace.duration_s]
     return {"tolerance": tolerance, "readings_matched": len(matched), "p99_error_by_phase": by_phase,
-            "readings": readings,
+            "readings": readings, "predictions": predictions,
             "step_follow_s": follow,
             "trace_share_busy": _round(sum(o["p99_source"] == "trace" for o in busy) / len(busy), 3) if busy else None}
 
@@ -525,8 +527,10 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
                                        "delay_us": live.get("delay_us"), "kind": rec.get("kind"),
                                        "reason": rec.get("reason"), "apply_s": rec.get("apply_s")})
                 reasons: dict[str, int] = {}
+                modes: dict[str, int] = {}          # who decided each logged record: model | fallback | reactive
                 for rec in decisions:
                     reasons[rec.get("reason", "?")] = reasons.get(rec.get("reason", "?"), 0) + 1
+                    modes[rec.get("mode", "?")] = modes.get(rec.get("mode", "?"), 0) + 1
                 extra["controller_observations"] = observations_for_bench(observation_log, opts.model, wall0)
                 extra["controller"] = {
                     "cpu_pct": (None if cpu_start is None or cpu_end is None else
@@ -534,7 +538,7 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
                     "cpu_pct_incl_startup": (None if cpu_end is None else
                                              round(100.0 * cpu_end / (t_end - spawned), 3)),
                     "cpu_s": cpu_end, "exit_code": controller.returncode, "decision_records": len(decisions),
-                    "reasons_logged": reasons}
+                    "reasons_logged": reasons, "modes_logged": modes}
             events.sort(key=lambda e: e["t"])
             try:
                 extra["live_at_end"] = dataclasses.asdict(Actuator(control).read(opts.model)[1])
@@ -683,6 +687,10 @@ def plot_timeline(trace: Trace, summary: dict, bins: dict[str, list[dict]], path
     if readings:
         axes[2].plot([r[0] for r in readings], [r[1] for r in readings], ".", color="black", markersize=3,
                      label="controller's p99 reading (adaptive)")
+    predictions = (summary.get("signal") or {}).get("predictions") or []
+    if predictions:
+        axes[2].plot([r[0] for r in predictions], [r[1] for r in predictions], "x", color="tab:purple", markersize=3,
+                     label="planner's predicted p99, live config (adaptive)")
     axes[2].axhline(sla_ms, color="red", linestyle=":", linewidth=1, label=f"SLA {sla_ms:g} ms")
     axes[2].set_yscale("log")
     titles = ["offered rate (req/s)", "goodput (req/s within SLA)", "p99 (ms, per 1-s bin)", "instances",

@@ -83,6 +83,7 @@ class LoopConfig:
     log_files_kept: int = 3             # ... keeping this many old files: decisions.jsonl.1 ... .3
     owner_mark: bool = True             # mark the configs it applies; refuse models another live controller marked
     owner_stale_after_s: float = 60.0   # another owner's /status silent this long: its mark is stale, take over
+    planner: bool = True                # instances and delay from the planner's model (reactive rules as fallback)
 
 
 @dataclass(frozen=True)

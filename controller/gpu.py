@@ -66,6 +66,7 @@ class FakeGpuSource:
 
 
 SIM_MEMORY_METRIC = "sim_device_memory_bytes"
+SIM_BUSY_METRIC = "sim_device_busy_us_total"   # slot-holding time, summed over the device's instances
 
 
 class SimulatedDeviceSource:
@@ -76,14 +77,27 @@ class SimulatedDeviceSource:
     (`{model: counters with a .custom dict}`, or None when the scrape failed). Only models that
     report simulated memory live on it (`hosts`). Example: two models reporting 128 MiB and 64 MiB
     on a 2048 MiB device read as one device with 192 MiB used of 2048 MiB.
+
+    Its utilisation is the share of its slots' time in use between two feeds (the models' busy
+    counters, `sim_device_busy_us_total`, over elapsed time x `slots`): 1.5 s of slot time in 1 s on
+    a 2-slot device is 75%. A counter that went down (an instance unloaded) gives no reading that tick.
     """
 
     def __init__(self, total_mb: float) -> None:
         self.total_bytes = int(total_mb * 2**20)
         self._scraped: Any = None
+        self._busy: tuple[float, float] | None = None     # (time, busy us summed) at the last feed
+        self._util: float | None = None
 
-    def feed(self, scraped: Any) -> None:
+    def feed(self, scraped: Any, now: float | None = None, slots: int | None = None) -> None:
         self._scraped = scraped
+        self._util = None
+        if scraped is None or now is None:
+            return
+        busy = float(sum(c.custom.get(SIM_BUSY_METRIC, 0.0) for c in scraped.values() if self.hosts(c)))
+        before, self._busy = self._busy, (now, busy)
+        if before is not None and slots and now > before[0] and busy >= before[1]:
+            self._util = min(100.0, 100.0 * (busy - before[1]) / 1e6 / (now - before[0]) / slots)
 
     def hosts(self, counters: Any) -> bool:
         return counters is not None and SIM_MEMORY_METRIC in getattr(counters, "custom", {})
@@ -94,7 +108,7 @@ class SimulatedDeviceSource:
         used = [c.custom[SIM_MEMORY_METRIC] for c in self._scraped.values() if self.hosts(c)]
         if not used:
             return ()
-        return (GpuObservation(index=0, utilization_pct=None, memory_used_bytes=int(sum(used)),
+        return (GpuObservation(index=0, utilization_pct=self._util, memory_used_bytes=int(sum(used)),
                                memory_total_bytes=self.total_bytes),)
 
 

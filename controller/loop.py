@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import capacity as capacity_mod
-from . import policy
+from . import planner, policy
 from .arbiter import ModelView, arbitrate
 from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
 from .config import ControllerConfig, ModelLimits
@@ -49,6 +49,7 @@ from .types import Decision, GpuObservation, Observation, Settings
 log = logging.getLogger("controller.loop")
 
 CAPACITY_STALE_WINDOWS = 3      # a capacity figure outlives missing data (a reload) this many windows
+PREDICTED_EVERY_S = 30.0        # the planner's predicted capacities (for status) are recomputed this often
 
 
 @dataclass
@@ -71,6 +72,7 @@ class ManagedModel:
     state: policy.PolicyState
     current: Settings | None = None
     max_batch_size: int = 0
+    sim_slots: int | None = None                         # a simulated device's slots, from the model's parameters
     last_reason: str = ""
     reason_since: float | None = None                   # when `last_reason` became the reason (controller clock)
     last_decision: Decision | None = None
@@ -82,6 +84,8 @@ class ManagedModel:
     capacity_t: float | None = None                     # ... as of then (kept through short gaps in the data)
     mark: OwnerMark | None = None                        # the owner mark in its live config (ownership.py)
     owner: Verdict | None = None                         # what that mark means for this controller
+    predicted: dict | None = None                        # the planner's capacity of the live config and n +- 1 ...
+    predicted_t: float = -1e18                           # ... computed then (every PREDICTED_EVERY_S)
 
     @property
     def last_obs(self) -> Observation | None:
@@ -267,6 +271,7 @@ class Controller:
         if not has_dynamic_batching(cfg) and mm.limits.max_delay_us:
             mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
         mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
+        mm.sim_slots = _int_parameter(cfg, "device_parallelism")   # a simulated device's slots (sim_accel)
         mm.mark = mark_of(cfg)
         adopted = None
         if not mm.reachable:
@@ -329,7 +334,8 @@ class Controller:
         """NVML's devices; without NVML ("auto") or when asked, the SIMULATED device if a model reports one."""
         self._simulating = False
         if self.gpu_mode == "simulated" or (isinstance(self.gpu, NullSource) and self.gpu_mode == "auto"):
-            self.simulated.feed(scraped)
+            slots = [mm.sim_slots for mm in self.models.values() if mm.sim_slots]
+            self.simulated.feed(scraped, self.clock(), max(slots) if slots else None)
             sim = self.simulated.read()
             if sim:
                 self._simulating = True
@@ -368,8 +374,18 @@ class Controller:
             mm.state = policy.with_reported_instance_memory(mm.state, per)
         if self.config.loop.owner_mark and not self._may_act(mm, obs, now):
             return None
-        decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size)
+        inputs = mm.observer.plan_inputs(mm.max_batch_size, self.config.loop.interval_s) if self.config.loop.planner else None
+        decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size,
+                                           inputs)
         self._update_capacity(mm, obs, decision, now)
+        if inputs is not None and obs.valid and now - mm.predicted_t >= PREDICTED_EVERY_S:
+            caps = planner.capacities(mm.current, inputs, mm.state.plan, target_ms=mm.limits.p99_target_ms,
+                                      min_instances=mm.limits.min_instances, max_instances=mm.limits.max_instances,
+                                      device_util=policy.device_utilisation(obs), exec_rps=obs.exec_rps,
+                                      avg_batch=obs.avg_batch_size, now=now)
+            mm.predicted, mm.predicted_t = {"capacity_rps": caps, "mode": decision.mode}, now
+        elif inputs is not None and mm.predicted is not None:
+            mm.predicted["mode"] = decision.mode
         return decision, obs
 
     def _update_capacity(self, mm: ManagedModel, obs: Observation, decision: Decision, now: float) -> None:
@@ -518,7 +534,7 @@ class Controller:
                           "detail": decision.detail, "kind": result.kind, "apply_s": round(result.seconds, 2),
                           "error": result.error or None}
         if result.ok:
-            mm.state = policy.record_applied(mm.state, decision, before, obs, now)
+            mm.state = policy.record_applied(mm.state, decision, before, obs, now, result.seconds)
             mm.current = result.live
             mm.observer.mark_change(now)
             self.metrics.reload(mm.name, result.kind)
@@ -557,6 +573,10 @@ class Controller:
                   "tracing": self.traces.describe(mm.name)}
         if decision.held_by is not None:
             record["held_by"] = decision.held_by.value
+        if decision.mode:
+            record["mode"] = decision.mode
+        if decision.plan is not None:
+            record["plan"] = decision.plan
         if result is not None:
             record.update(kind=result.kind, apply_s=round(result.seconds, 2), error=result.error or None,
                           live=_asdict(result.live))
@@ -675,6 +695,8 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
         "recent": [{k: r.get(k) for k in ("time", "action", "reason", "detail", "current", "target", "kind", "error")}
                    for r in mm.history[-5:]],
         "capacity": None if mm.capacity is None else mm.capacity.as_dict(),   # the fleet scaler's figure
+        "predicted": None if mm.predicted is None else {"capacity_rps": {str(k): v for k, v in mm.predicted["capacity_rps"].items()},
+                                                        "mode": mm.predicted["mode"]},
     }
 
 
@@ -685,6 +707,15 @@ def owner_status(mm: ManagedModel, me: OwnerMark) -> dict | None:
     v = mm.owner
     return {"owner": mm.mark.owner, "status_url": mm.mark.status_url, "mine": mm.mark.owner == me.owner,
             "state": None if v is None else v.state, "detail": (v.detail or None) if v is not None else None}
+
+
+def _int_parameter(cfg: dict, key: str) -> int | None:
+    """An integer model-config parameter (`parameters {key: ..., value: {string_value: "2"}}`), or None."""
+    try:
+        value = int(cfg.get("parameters", {}).get(key, {}).get("string_value", ""))
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return value if value > 0 else None
 
 
 def _asdict(s: Settings | None) -> dict | None:

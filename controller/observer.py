@@ -36,7 +36,7 @@ import math
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .planner import simulate
+from .planner import SIM_REQUESTS, Forecast, PlanInputs, simulate
 from .service import ServiceTimes
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceWindow, choose_sampling, needs_change
@@ -74,6 +74,7 @@ class ModelObserver:
         self.tail_ratio_measured = False
         self.last: Observation | None = None
         self._latest: ModelCounters | None = None
+        self.forecast: Forecast | None = None     # of the arrival rate, one update per tick with usable counters
 
     # -- feeding -------------------------------------------------------------------------------
     def add_scrape(self, now: float, counters: ModelCounters | None, stats: StatsCounters | None,
@@ -82,6 +83,25 @@ class ModelObserver:
         self.counters.add(now, counters)
         self._latest = counters
         self.service.add(live, stats, now)     # why: None (config unknown, reload in flight) breaks the chain
+        self._update_forecast(now)
+
+    def _update_forecast(self, now: float) -> None:
+        """Feed the forecast this tick's arrival rate (the last two samples; a reset or gap feeds nothing)."""
+        samples = self.counters.samples
+        if len(samples) < 2:
+            return
+        tick = self.counters.observe(now, now - samples[-2].t + 1e-6, 1)
+        if not tick.valid:
+            return
+        if self.forecast is None:
+            self.forecast = Forecast.start(now, tick.arrival_rps)
+        else:
+            self.forecast = self.forecast.update(now, tick.arrival_rps)
+
+    def plan_inputs(self, max_batch_size: int, interval_s: float) -> PlanInputs:
+        """What the planner needs from this observer: every measured service curve and the forecast."""
+        fits = tuple((s, f) for s in self.service.configs() if (f := self.service.fit(s)) is not None)
+        return PlanInputs(fits=fits, forecast=self.forecast, max_batch=max_batch_size, interval_s=interval_s)
 
     def add_traces(self, samples: Iterable[TraceSample], read_at: float) -> None:
         self.traces.add(list(samples), read_at)
@@ -106,7 +126,8 @@ class ModelObserver:
         if obs.valid:
             fit = self.service.fit(live)
             predicted = None if fit is None else simulate(obs.arrival_rps, live.instance_count,
-                                                          live.max_queue_delay_us, max(1, max_batch_size), fit.predict_ms)
+                                                          live.max_queue_delay_us, max(1, max_batch_size), fit.predict_ms,
+                                                          requests=SIM_REQUESTS)
             obs = dataclasses.replace(obs, service=fit, predicted_p99_ms=None if predicted is None else predicted.p99_ms)
         self.last = obs
         return obs

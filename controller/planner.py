@@ -26,13 +26,19 @@ same inputs give the same answer.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+
+from .types import Settings
+
+if TYPE_CHECKING:
+    from .service import ServiceFit
 
 
 @dataclass(frozen=True)
@@ -89,3 +95,451 @@ def simulate(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
     return Prediction(p99_ms=float(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]),
                       mean_ms=float(lat.mean()), mean_batch=float(np.mean(batches)),
                       busy=busy_s / (horizon * instances), stable=stable)
+
+
+# ---- the arrival-rate forecast ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Forecast:
+    """A level + trend (Holt) filter over the per-tick arrival rates, with the spread of its errors.
+
+    `update` takes one tick's rate; `band(h)` says where the rate will be `h` seconds on:
+    level + trend * h, plus or minus `z` standard deviations of the one-tick-ahead errors (the
+    Poisson noise of a 2-s rate and the true moves the filter did not foresee).
+
+    Worked example (alpha 0.5, beta 0.3, ticks 2 s apart): rates 100, 100, 120, 140. After 100, 100:
+    level 100, trend 0. 120 arrives: forecast 100, error 20; level = 100 + 0.5 * 20 = 110, trend =
+    0.3 * (110 - 100) / 2 = 1.5 req/s per s. 140: forecast 113, error 27; level 126.5, trend 0.3 *
+    8.25 + 0.7 * 1.5 = 3.53. A reload that takes 1 s plus a 2-s tick: mid = 126.5 + 3.53 * 3 = 137.1.
+    """
+
+    level: float
+    trend: float          # req/s per second
+    err_var: float        # variance of the one-tick-ahead errors (EWMA)
+    t: float
+    ticks: int = 1
+
+    ALPHA = 0.5
+    BETA = 0.3
+    ERR_WEIGHT = 0.2
+
+    @staticmethod
+    def start(t: float, rate: float) -> "Forecast":
+        # why: before any error is seen, assume Poisson-like noise of a 2-s rate (sd = sqrt(2 rate) / 2)
+        return Forecast(level=rate, trend=0.0, err_var=max(1.0, rate / 2.0), t=t)
+
+    def update(self, t: float, rate: float) -> "Forecast":
+        if not math.isfinite(rate) or rate < 0:
+            return self
+        dt = t - self.t
+        if dt <= 0:
+            return self
+        if dt > 30.0:             # a long gap (server away): the old trend means nothing now
+            return Forecast.start(t, rate)
+        predicted = max(0.0, self.level + self.trend * dt)
+        err = rate - predicted
+        level = predicted + self.ALPHA * err
+        trend = self.BETA * (level - self.level) / dt + (1 - self.BETA) * self.trend
+        err_var = (1 - self.ERR_WEIGHT) * self.err_var + self.ERR_WEIGHT * err * err
+        return Forecast(level, trend, err_var, t, self.ticks + 1)
+
+    def band(self, horizon_s: float, z: float = 1.3) -> tuple[float, float, float]:
+        """(low, mid, high) arrival rate `horizon_s` from the last update; never below 0."""
+        mid = max(0.0, self.level + self.trend * max(0.0, horizon_s))
+        sd = math.sqrt(max(0.0, self.err_var))
+        return max(0.0, mid - z * sd), mid, mid + z * sd
+
+
+# ---- service time of a configuration not yet measured ----------------------------------------------
+
+DEFAULT_CONTENTION = 0.1      # added service time per extra instance, before anything says otherwise
+DEVICE_SHARE = 0.5            # the share of an execution assumed to run on the device (the prior's scale)
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    """s(b) for any instance count: measured where a configuration ran, scaled by contention elsewhere.
+
+    Instances on one device contend: with more of them executing at once, each execution takes
+    longer. The model: s_n(b) = s_m(b) * c(n) / c(m), with c(n) = 1 + gamma * (n - 1) and m the
+    nearest measured count. `gamma` (the extra time one more instance adds, as a fraction) is
+    learned from every pair of measured counts (their curves compared at a common batch size);
+    with one count measured it comes from the device's utilisation u instead: gamma = u * 0.5 (a new
+    execution finds the device busy a fraction u of the time, and about half of an execution runs
+    on the device), and `DEFAULT_CONTENTION` without a utilisation reading.
+
+    Example: 2 instances measured at s(1) = 8.0 ms, 4 instances at 10.4 ms: r = 1.3 = (1 + 3g) /
+    (1 + g) -> g = 0.3 / 1.7 = 0.176. Six instances are then predicted at s_4(b) * (1 + 5g) / (1 + 3g)
+    = 1.24 x s_4(b).
+    """
+
+    fits: dict[int, "ServiceFit"]
+    gamma: float
+    gamma_source: str            # "measured" | "utilisation" | "default"
+
+    @staticmethod
+    def build(fits_by_config: Sequence[tuple[Settings, "ServiceFit"]], device_util: float | None) -> "ServiceModel":
+        per_count: dict[int, ServiceFit] = {}
+        for s, fit in fits_by_config:
+            best = per_count.get(s.instance_count)
+            if best is None or fit.executions > best.executions:
+                per_count[s.instance_count] = fit
+        gammas = []
+        counts = sorted(per_count)
+        for i, m1 in enumerate(counts):
+            for m2 in counts[i + 1:]:
+                common = sorted(set(per_count[m1].batch_sizes) & set(per_count[m2].batch_sizes))
+                b = common[0] if common else 1
+                s1, s2 = per_count[m1].predict_ms(b), per_count[m2].predict_ms(b)
+                if s1 <= 0:
+                    continue
+                r = s2 / s1
+                denom = (m2 - 1) - r * (m1 - 1)
+                if denom > 0:
+                    gammas.append(min(1.0, max(0.0, (r - 1) / denom)))
+        if gammas:
+            return ServiceModel(per_count, float(np.median(gammas)), "measured")
+        if device_util is not None and math.isfinite(device_util):
+            return ServiceModel(per_count, min(1.0, max(0.0, device_util)) * DEVICE_SHARE, "utilisation")
+        return ServiceModel(per_count, DEFAULT_CONTENTION, "default")
+
+    def curve(self, n: int) -> Callable[[float], float] | None:
+        """s_n(b) in ms, or None when no count has been measured."""
+        if not self.fits:
+            return None
+        if n in self.fits:
+            return self.fits[n].predict_ms
+        m = min(self.fits, key=lambda c: (abs(c - n), c))
+        scale = (1 + self.gamma * (n - 1)) / (1 + self.gamma * (m - 1))
+        base = self.fits[m].predict_ms
+        return lambda b: base(b) * scale
+
+
+# ---- predictions for candidate configurations -----------------------------------------------------
+
+SIM_REQUESTS = 1000           # arrivals simulated per candidate (~2.5 ms of CPU)
+DEVICE_LIMIT = 0.95           # a configuration that would keep the device busier than this cannot hold the load
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """How much of the device one execution of b items uses, from the utilisation at the live config.
+
+    At the live configuration the device was `util` busy while it ran `exec_rps` executions of
+    `batch` items on average: one execution used util / exec_rps of the device's second. Another
+    batch size is scaled by the service curve's shape: phi(b) = phi(batch) * s(b) / s(batch).
+    Example: 90% busy at 400 executions/s of 1 item, s(b) = 6 + 1.5 b: phi(1) = 0.00225; at b = 8,
+    phi(8) = 0.00225 * 18 / 7.5 = 0.0054, so 400 req/s in batches of 8 use 50 x 0.0054 = 27% of the
+    device: the "100% busy yet slow" case, where larger batches free the device.
+    """
+
+    per_exec: float            # phi(batch)
+    batch: float
+    shape: Callable[[float], float]
+
+    @staticmethod
+    def at(device_util: float | None, exec_rps: float, avg_batch: float, fit: "ServiceFit") -> "DeviceShare | None":
+        """From the live configuration's readings; None without a utilisation reading or executions."""
+        if device_util is None or not math.isfinite(device_util) or exec_rps <= 0:
+            return None
+        return DeviceShare(min(1.0, max(0.0, device_util)) / exec_rps, max(1.0, avg_batch), fit.predict_ms)
+
+    def load(self, arrival_rps: float, mean_batch: float) -> float:
+        b = max(1.0, mean_batch)
+        base = max(1e-9, self.shape(self.batch))
+        return arrival_rps / b * self.per_exec * self.shape(b) / base
+
+
+@dataclass(frozen=True)
+class Candidate:
+    settings: Settings
+    arrival_rps: float
+    p99_ms: float              # corrected by the observed/predicted ratio; inf when the load cannot be held
+    raw_p99_ms: float
+    mean_batch: float
+    device_load: float | None
+    meets: bool
+
+    def as_dict(self) -> dict:
+        r = lambda x, n=2: None if x is None or not math.isfinite(x) else round(x, n)  # noqa: E731
+        return {"instances": self.settings.instance_count, "delay_us": self.settings.max_queue_delay_us,
+                "at_rps": r(self.arrival_rps, 1), "p99_ms": r(self.p99_ms), "mean_batch": r(self.mean_batch),
+                "device_load": r(self.device_load, 3)}
+
+
+def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_batch: int, correction: float,
+            limit_ms: float, device: DeviceShare | None = None) -> Candidate | None:
+    """One candidate's corrected p99 at `arrival_rps`; None without a service curve for it."""
+    curve = model.curve(settings.instance_count)
+    if curve is None:
+        return None
+    if arrival_rps < 0.01:       # why: no load to speak of (and 1/rate would overflow): a lone request
+        s1 = curve(1)
+        return Candidate(settings, arrival_rps, s1 * correction, s1, 1.0, 0.0, s1 * correction <= limit_ms)
+    sim = simulate(arrival_rps, settings.instance_count, settings.max_queue_delay_us, max_batch, curve,
+                   requests=SIM_REQUESTS)
+    if sim is None:
+        return None
+    load = None if device is None else device.load(arrival_rps, sim.mean_batch)
+    holds = sim.stable and (load is None or load <= DEVICE_LIMIT)
+    p99 = sim.p99_ms * correction if holds else math.inf
+    return Candidate(settings, arrival_rps, p99, sim.p99_ms if holds else math.inf, sim.mean_batch, load,
+                     p99 <= limit_ms)
+
+
+def delay_grid(min_us: int, max_us: int, current_us: int) -> list[int]:
+    """Delays worth trying, shortest first: the minimum, the live one, x4 steps from 500 us, the maximum."""
+    grid = {min_us, current_us}
+    d = 500
+    while d <= max_us:
+        if d >= min_us:
+            grid.add(d)
+        d *= 4
+    if max_us > min_us:
+        grid.add(max_us)
+    return sorted(x for x in grid if min_us <= x <= max_us)
+
+
+def capacity_rps(settings: Settings, model: ServiceModel, max_batch: int, correction: float, target_ms: float,
+                 device: DeviceShare | None = None, iterations: int = 7) -> float | None:
+    """The highest arrival rate at which `settings` is predicted to keep p99 under `target_ms` (bisection).
+
+    Example: s(b) = 6 + 1.5 b, one instance, delay 0, target 40 ms: about 290 req/s, since at 300
+    the batcher's batches (~4) barely keep up and the queue's tail passes 40 ms."""
+    curve = model.curve(settings.instance_count)
+    if curve is None:
+        return None
+    b = max(1, max_batch)
+    top = settings.instance_count * b / max(1e-6, curve(b) / 1000.0)   # every instance running full batches
+    lo, hi = 0.0, top
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        c = predict(settings, mid, model, max_batch, correction, target_ms, device)
+        if c is not None and c.meets:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# ---- the choice ----------------------------------------------------------------------------------
+
+MARGIN = 0.9                 # a configuration is chosen when its predicted p99 stays under 0.9 x the target
+CONSOLIDATE_MARGIN = 0.8     # ... and a smaller one replaces the live one only under 0.8 x the target ...
+CONSOLIDATE_TICKS = 3        # ... on this many decisions in a row
+CORRECTION_BOUNDS = (0.67, 1.5)  # observed/predicted p99 is applied within these bounds ...
+DISAGREE = 0.5               # ... and when its median is off by more than 50%, the model is not trusted
+RATIO_WINDOWS = 5            # recent windows the correction is the median of
+DELAY_MIN_GAIN = 0.9         # a longer delay is chosen over the shortest only if its p99 is predicted 10% lower
+RATIO_MAX_AGE_S = 90.0
+MIN_RATIO_SAMPLES = 20       # a window's traced p99 rests on at least this many requests to count
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """What the planner remembers between decisions (kept inside the policy's state)."""
+
+    ratios: tuple[tuple[float, float], ...] = ()      # (time, observed / predicted p99) of recent windows
+    by_config: tuple[tuple[Settings, float, float], ...] = ()   # (config, time, its ratio, EWMA): what it did when live
+    smaller_since: float | None = None                # a smaller configuration met CONSOLIDATE_MARGIN since ...
+    smaller_ticks: int = 0                            # ... on this many decisions in a row
+    smaller_best: Settings | None = None              # the largest of those smaller choices (the safe one)
+    reload_s: float = 2.0                             # how long an applied change took (EWMA)
+
+
+CONFIG_RATIO_MAX_AGE_S = 900.0   # what a configuration did when live is remembered this long ...
+CONFIG_RATIO_KEPT = 16           # ... for this many configurations
+
+
+def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99: float | None, source: str,
+                 samples: int, now: float, live: Settings | None = None) -> PlannerState:
+    """Keep observed/predicted p99 of a window whose p99 was traced on enough requests: in the recent
+    windows (the correction of every prediction) and, per configuration, as what that configuration
+    did when it was live (the correction of its own predictions when it is a candidate again)."""
+    if (observed_p99 is None or predicted_p99 is None or source != "trace" or samples < MIN_RATIO_SAMPLES
+            or predicted_p99 <= 0 or not math.isfinite(predicted_p99)):
+        return state
+    ratio = observed_p99 / predicted_p99
+    kept = tuple(r for r in state.ratios if now - r[0] <= RATIO_MAX_AGE_S)
+    by_config = state.by_config
+    if live is not None:
+        old = next((r for s, _, r in by_config if s == live), None)
+        mixed = ratio if old is None else 0.7 * old + 0.3 * ratio
+        by_config = tuple(x for x in by_config if x[0] != live and now - x[1] <= CONFIG_RATIO_MAX_AGE_S)
+        by_config = (by_config + ((live, now, mixed),))[-CONFIG_RATIO_KEPT:]
+    return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config)
+
+
+def config_correction(state: PlannerState, settings: Settings, default: float, now: float) -> float:
+    """The correction for one candidate: its own ratio from when it was live (bounded), else `default`.
+
+    Example: 1 instance at 2000 us was live and ran at 1.3x its prediction: when it is a candidate
+    again, its prediction is multiplied by 1.3, whatever the live configuration's ratio is."""
+    for s, t, r in state.by_config:
+        if s == settings and now - t <= CONFIG_RATIO_MAX_AGE_S:
+            return min(max(r, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1])
+    return default
+
+
+def correction(state: PlannerState, now: float) -> tuple[float, float | None]:
+    """(the factor applied to predictions, the raw median ratio or None without recent windows).
+
+    Example: recent ratios 1.1, 1.3, 0.9, 1.2, 1.25 -> median 1.2: every prediction is multiplied by
+    1.2. Ratios 2.4, 2.0, 2.2 -> median 2.2, applied as 1.5 (the bound), and off by more than
+    `DISAGREE`: the planner steps aside for the reactive rules."""
+    recent = [r for t, r in state.ratios if now - t <= RATIO_MAX_AGE_S]
+    if not recent:
+        return 1.0, None
+    raw = float(np.median(recent))
+    return min(max(raw, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1]), raw
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner needs beyond the observation: every measured service curve and the forecast."""
+
+    fits: tuple[tuple[Settings, "ServiceFit"], ...]
+    forecast: Forecast | None
+    max_batch: int
+    interval_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer for one decision."""
+
+    target: Settings | None                  # None: keep the live configuration
+    reason: str
+    detail: str
+    usable: bool                             # False: fall back to the reactive rules (reason says why)
+    live: Candidate | None = None
+    chosen: Candidate | None = None
+    band: tuple[float, float, float] | None = None
+    correction: float = 1.0
+    state: PlannerState = PlannerState()
+
+
+def fallback(why: str, state: PlannerState) -> Plan:
+    return Plan(None, "Fallback", why, usable=False, state=state)
+
+
+def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: PlannerState, *, target_ms: float,
+           min_instances: int, ceiling: int, min_delay_us: int, max_delay_us: int, delay_allowed: bool,
+           device_util: float | None, exec_rps: float, avg_batch: float, now: float) -> Plan:
+    """The fewest instances, then the shortest delay, predicted to keep p99 under MARGIN x target at
+    the forecast's upper band; a smaller configuration only after CONSOLIDATE_TICKS checks in a row.
+
+    Worked example (s(b) = 6 + 1.5 b measured at 1 instance, gamma 0.1, target 40 ms, max batch 32):
+    the forecast says 220-260 req/s within the next reload + tick. At 260 req/s one instance at
+    delay 0 is predicted at ~44 ms (> 36 = 0.9 x 40), two instances at ~17 ms: the choice is 2 (or
+    more, in one jump, if the band were higher). Later the band falls to 80-100 req/s: one instance
+    at 100 req/s is predicted at ~19 ms (< 32 = 0.8 x 40) three decisions in a row: back to 1.
+    """
+    model = ServiceModel.build(inputs.fits, device_util)
+    if live.instance_count not in model.fits:
+        return fallback("too little data: no service curve measured for the live instance count yet", state)
+    factor, raw = correction(state, now)
+    if raw is not None and not (1 - DISAGREE) <= raw <= 1 + DISAGREE:
+        return fallback(f"observed p99 is {raw:.2f}x the predicted over recent windows", state)
+    horizon = state.reload_s + inputs.interval_s
+    if inputs.forecast is not None and inputs.forecast.ticks >= 3:
+        band = inputs.forecast.band(horizon)
+    else:
+        band = (arrival_rps, arrival_rps, arrival_rps * 1.1)
+    hi = max(band[2], 0.0)
+    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count])
+    mb = max(1, inputs.max_batch)
+    limit = MARGIN * target_ms
+    delays = delay_grid(min_delay_us, max_delay_us, live.max_queue_delay_us) if delay_allowed and mb > 1 \
+        else [live.max_queue_delay_us]
+    cache: dict[Settings, Candidate | None] = {}
+
+    def at_hi(s: Settings) -> Candidate | None:
+        if s not in cache:
+            own = factor if s == live else config_correction(state, s, factor, now)
+            cache[s] = predict(s, hi, model, mb, own, limit, device)
+        return cache[s]
+
+    live_c = at_hi(live)
+    chosen = None
+    for n in range(min_instances, max(ceiling, min_instances) + 1):
+        shortest = at_hi(Settings(n, delays[0]))
+        # why: at a stable shortest delay far over the limit no delay rescues this count (a delay moves
+        # p99 by the batching it adds, a fraction of it); skipping those saves most of the simulations
+        hopeless = shortest is not None and math.isfinite(shortest.p99_ms) and shortest.p99_ms > 2 * limit
+        for d in delays[:1] if hopeless else delays:
+            c = at_hi(Settings(n, d))
+            if c is None or not c.meets:
+                continue
+            # why: a longer delay costs a full reload and adds latency when the load falls; it is chosen
+            # over the shortest only for a clear predicted gain, not for noise in the last digits
+            if d == delays[0] or shortest is None or c.p99_ms <= DELAY_MIN_GAIN * shortest.p99_ms:
+                chosen = c
+                break
+        if chosen is not None:
+            break
+    common = dict(live=live_c, band=band, correction=factor)
+    where = (f"forecast {band[0]:.0f}-{band[2]:.0f} req/s in {horizon:.1f} s; live {_desc(live_c)}; "
+             f"gamma {model.gamma:.2f} ({model.gamma_source}), correction {factor:.2f}")
+    keep = dataclasses.replace(state, smaller_since=None, smaller_ticks=0, smaller_best=None)
+    if live_c is not None and live_c.meets:
+        smaller = chosen is not None and (chosen.settings.instance_count < live.instance_count or (
+            chosen.settings.instance_count == live.instance_count
+            and chosen.settings.max_queue_delay_us < live.max_queue_delay_us))
+        if not smaller or chosen.p99_ms > CONSOLIDATE_MARGIN * target_ms:
+            return Plan(None, "HoldPredictedOk", where, usable=True, chosen=chosen, state=keep, **common)
+        ticks = state.smaller_ticks + 1
+        best = chosen.settings if state.smaller_best is None else max(
+            state.smaller_best, chosen.settings, key=lambda s: (s.instance_count, s.max_queue_delay_us))
+        st = dataclasses.replace(state, smaller_since=state.smaller_since if state.smaller_since is not None else now,
+                                 smaller_ticks=ticks, smaller_best=best)
+        if ticks < CONSOLIDATE_TICKS:
+            return Plan(None, "HoldConsolidationPending", f"{_fmt_settings(chosen.settings)} predicted "
+                        f"{chosen.p99_ms:.1f} ms ({ticks}/{CONSOLIDATE_TICKS}); {where}", usable=True, chosen=chosen,
+                        state=st, **common)
+        reason = "PlanScaleDown" if best.instance_count < live.instance_count else "PlanDelayDecrease"
+        return Plan(best, reason, f"{_fmt_settings(best)} predicted under {CONSOLIDATE_MARGIN:g}x the target "
+                    f"{CONSOLIDATE_TICKS} times in a row; {where}", usable=True, chosen=at_hi(best) or chosen,
+                    state=dataclasses.replace(keep, reload_s=state.reload_s), **common)
+    if chosen is None:
+        # nothing is predicted to meet the target: the configuration predicted best, if it beats the live one
+        options = [c for c in (at_hi(Settings(max(ceiling, min_instances), d)) for d in delays) if c is not None]
+        best_c = min(options, key=lambda c: (c.p99_ms, c.settings.max_queue_delay_us), default=None)
+        if best_c is None or best_c.settings == live or (live_c is not None and best_c.p99_ms >= 0.9 * live_c.p99_ms):
+            return Plan(None, "HoldPredictedNoneMeets", where, usable=True, state=keep, **common)
+        return Plan(best_c.settings, "PlanBestEffort", f"no configuration within the ceiling ({ceiling}) is "
+                    f"predicted under {MARGIN:g}x the target; {_desc(best_c)}; {where}", usable=True, chosen=best_c,
+                    state=keep, **common)
+    reason = "PlanScaleUp" if chosen.settings.instance_count > live.instance_count else (
+        "PlanDelayIncrease" if chosen.settings.max_queue_delay_us > live.max_queue_delay_us else "PlanChange")
+    return Plan(chosen.settings, reason, f"{_desc(chosen)}; {where}", usable=True, chosen=chosen, state=keep, **common)
+
+
+def capacities(live: Settings, inputs: PlanInputs, state: PlannerState, *, target_ms: float, min_instances: int,
+               max_instances: int, device_util: float | None, exec_rps: float, avg_batch: float,
+               now: float) -> dict[int, float | None]:
+    """Predicted capacity (req/s within the target) of the live configuration and of one instance fewer and
+    one more (same delay), corrected like the choice: what `status` shows. {} without a live curve."""
+    model = ServiceModel.build(inputs.fits, device_util)
+    if live.instance_count not in model.fits:
+        return {}
+    factor, _ = correction(state, now)
+    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count])
+    out: dict[int, float | None] = {}
+    for n in (live.instance_count - 1, live.instance_count, live.instance_count + 1):
+        if min_instances <= n <= max_instances:
+            c = capacity_rps(Settings(n, live.max_queue_delay_us), model, max(1, inputs.max_batch), factor, target_ms,
+                             device)
+            out[n] = None if c is None else round(c, 1)
+    return out
+
+
+def _fmt_settings(s: Settings) -> str:
+    return f"{s.instance_count}x{s.max_queue_delay_us}us"
+
+
+def _desc(c: Candidate | None) -> str:
+    if c is None:
+        return "n/a"
+    p = "cannot hold" if not math.isfinite(c.p99_ms) else f"p99 {c.p99_ms:.1f} ms"
+    return f"{_fmt_settings(c.settings)} {p} at {c.arrival_rps:.0f} req/s (batch {c.mean_batch:.1f})"

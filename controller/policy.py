@@ -29,7 +29,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from . import planner
 from .config import LoopConfig, ModelLimits
+from .planner import PlanInputs, PlannerState
 from .types import Cap, Decision, Observation, Settings
 
 # Thresholds, as fractions of the p99 target or of capacity. Named so the tests can speak of them.
@@ -87,6 +89,7 @@ class PolicyState:
     backoff_until: float = -math.inf
     instance_memory_bytes: float | None = None
     perf: tuple[PerfPoint, ...] = ()
+    plan: PlannerState = PlannerState()
 
 
 def initial_state(now: float) -> PolicyState:
@@ -97,7 +100,8 @@ def initial_state(now: float) -> PolicyState:
 def restarted_state(old: PolicyState, now: float) -> PolicyState:
     """After a server restart or an outside change: hold one full window again, but keep what was
     measured about the model itself (what each setting achieved, bytes per instance)."""
-    return PolicyState(started_at=now, perf=old.perf, instance_memory_bytes=old.instance_memory_bytes)
+    return PolicyState(started_at=now, perf=old.perf, instance_memory_bytes=old.instance_memory_bytes,
+                       plan=PlannerState(reload_s=old.plan.reload_s))
 
 
 def with_warm_start(state: PolicyState, points: tuple[PerfPoint, ...]) -> PolicyState:
@@ -389,6 +393,52 @@ def decide_delay(obs: Observation, current: Settings, state: PolicyState, limits
     return None
 
 
+# ---- stage 4-5 by the planner's model ------------------------------------------------------------------
+
+def device_utilisation(obs: Observation) -> float | None:
+    """The busiest observed device's utilisation as a fraction, or None where no device reports one."""
+    u = [g.utilization_pct for g in obs.gpus if g.utilization_pct is not None]
+    return max(u) / 100.0 if u else None
+
+
+def decide_by_model(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float,
+                    inputs: PlanInputs) -> tuple[Decision | None, PolicyState, str | None]:
+    """Instances and delay from the planner (planner.choose); (None, state, why) when it stands aside.
+
+    The ceilings (max, learned max, saturation, memory) and the cooldowns are the same as the
+    reactive rules'; a count above the ceiling or below the minimum is left to them (ScaleDownToCap,
+    ScaleUpToMin). A delay is only re-chosen when a full reload fits in memory and the delay
+    cooldown has passed."""
+    n = current.instance_count
+    ceiling, cap = instance_ceiling(current, limits, state, obs, now)
+    if n > ceiling or n < limits.min_instances:
+        return None, state, None
+    pstate = planner.record_ratio(state.plan, obs.p99_ms, obs.predicted_p99_ms, obs.p99_source, obs.p99_samples, now,
+                                  current)
+    delay_allowed = (limits.max_delay_us > limits.min_delay_us
+                     and now - state.last_delay_change_at >= limits.delay_cooldown_s
+                     and full_reload_fits(current, limits, state, obs))
+    plan = planner.choose(current, obs.arrival_rps, inputs, pstate, target_ms=limits.p99_target_ms,
+                          min_instances=limits.min_instances, ceiling=ceiling, min_delay_us=limits.min_delay_us,
+                          max_delay_us=limits.max_delay_us, delay_allowed=delay_allowed,
+                          device_util=device_utilisation(obs), exec_rps=obs.exec_rps, avg_batch=obs.avg_batch_size,
+                          now=now)
+    if not plan.usable:
+        return None, dataclasses.replace(state, plan=pstate), plan.detail
+    state = dataclasses.replace(state, plan=plan.state)
+    record = {"band_rps": [round(x, 1) for x in plan.band] if plan.band else None,
+              "correction": round(plan.correction, 3),
+              "live": None if plan.live is None else plan.live.as_dict(),
+              "chosen": None if plan.chosen is None else plan.chosen.as_dict()}
+    held_by = cap if plan.reason in ("HoldPredictedNoneMeets", "PlanBestEffort") else None
+    target, reason, detail = plan.target, plan.reason, plan.detail
+    if target is not None and target.instance_count != n and now - state.last_change_at < limits.scale_up_cooldown_s:
+        target, reason = None, "HoldCooldown"
+    if target is None or target == current:
+        return Decision(current, reason, detail=detail, held_by=held_by, mode="model", plan=record), state, None
+    return Decision(target, reason, detail=detail, held_by=held_by, mode="model", plan=record), state, None
+
+
 # ---- the whole decision ---------------------------------------------------------------------------
 
 def record_perf(state: PolicyState, obs: Observation, current: Settings, limits: ModelLimits, now: float) -> PolicyState:
@@ -399,8 +449,11 @@ def record_perf(state: PolicyState, obs: Observation, current: Settings, limits:
 
 
 def decide(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, loop: LoopConfig,
-           now: float, max_batch_size: int = 0) -> tuple[Decision, PolicyState]:
-    """One decision for one model. Pure: same inputs, same answer."""
+           now: float, max_batch_size: int = 0, plan_inputs: PlanInputs | None = None) -> tuple[Decision, PolicyState]:
+    """One decision for one model. Pure: same inputs, same answer.
+
+    With `plan_inputs` (the planner on), instances and delay come from the planner's model
+    (`decide_by_model`), and the reactive stages 4-5 only run when it stands aside (mode "fallback")."""
     held = gate(obs, current, state, loop, now)
     if held is not None:
         if held.reason == "HoldNoData" and state.low_since is not None:
@@ -411,8 +464,23 @@ def decide(obs: Observation, current: Settings, state: PolicyState, limits: Mode
     state = record_perf(state, obs, current, limits, now)
     state, back = review_step(obs, current, state, limits, now)
     if back is not None:
-        return back, state
+        return dataclasses.replace(back, mode="reactive"), state
+    fallback_why = None
+    if plan_inputs is not None:
+        planned, state, fallback_why = decide_by_model(obs, current, state, limits, now, plan_inputs)
+        if planned is not None:
+            return planned, state
     state, outcome = decide_instances(obs, current, state, limits, now)
+    if fallback_why is not None:
+        decision, state = _reactive_rest(obs, current, state, limits, now, max_batch_size, outcome)
+        return dataclasses.replace(decision, mode="fallback",
+                                   detail=f"{decision.detail}; planner set aside: {fallback_why}".lstrip("; ")), state
+    decision, state = _reactive_rest(obs, current, state, limits, now, max_batch_size, outcome)
+    return dataclasses.replace(decision, mode="reactive"), state
+
+
+def _reactive_rest(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float,
+                   max_batch_size: int, outcome: InstanceOutcome) -> tuple[Decision, PolicyState]:
     if outcome.change is not None:
         return outcome.change, state
     delay = decide_delay(obs, current, state, limits, now, outcome.held_by is not None, max_batch_size)
@@ -426,13 +494,18 @@ def decide(obs: Observation, current: Settings, state: PolicyState, limits: Mode
                     held_by=outcome.held_by), state
 
 
-def record_applied(state: PolicyState, decision: Decision, before: Settings, obs: Observation, now: float) -> PolicyState:
-    """Remember a change that succeeded (only then: the HPA stores a scale event after Update returns)."""
+def record_applied(state: PolicyState, decision: Decision, before: Settings, obs: Observation, now: float,
+                   apply_s: float | None = None) -> PolicyState:
+    """Remember a change that succeeded (only then: the HPA stores a scale event after Update returns).
+    `apply_s`, how long it took, feeds the planner's horizon (a change pays off after reload + tick)."""
     used, _ = device_memory(obs)
     step = StepRecord(now, before, decision.target, obs.completion_rps, obs.p99_ms, used)
     delay_changed = decision.target.max_queue_delay_us != before.max_queue_delay_us
+    plan = dataclasses.replace(state.plan, smaller_since=None, smaller_ticks=0, smaller_best=None)
+    if apply_s is not None and math.isfinite(apply_s) and apply_s >= 0:
+        plan = dataclasses.replace(plan, reload_s=0.7 * plan.reload_s + 0.3 * min(apply_s, 60.0))
     return dataclasses.replace(
-        state, last_change_at=now, last_step=step, low_since=None, failures=0,
+        state, last_change_at=now, last_step=step, low_since=None, failures=0, plan=plan,
         last_delay_change_at=now if delay_changed else state.last_delay_change_at)
 
 

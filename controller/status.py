@@ -292,6 +292,14 @@ def format_model(name: str, m: dict, last: int = 3) -> list[str]:
             else:
                 text = str(c)
             rows.append(("capacity", text))
+        pred = m.get("predicted")
+        if isinstance(pred, dict) and pred.get("capacity_rps"):
+            caps = pred["capacity_rps"]
+            live = m.get("instances")
+            parts = [f"{n} instance(s) {_num(v, 1) if v is not None else '?'} req/s" + (" (live)" if str(n) == str(live) else "")
+                     for n, v in sorted(caps.items(), key=lambda kv: int(kv[0]))]
+            rows.append(("predicted", f"within the target: {'; '.join(parts)}"
+                         + (f"  [{pred['mode']}]" if pred.get("mode") else "")))
         if m.get("reason"):
             text = f"{m['reason']} for {_dur(m.get('held_for_s'))}"
             if m.get("detail"):

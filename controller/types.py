@@ -83,7 +83,10 @@ class Decision:
     """The policy's answer. `valid=False` means "do nothing", whatever `target` says.
 
     `held_by` is set when the model wants more instances than a ceiling allows: which ceiling.
-    Other parts (the arbiter) act on that value, never on the reason text.
+    Other parts (the arbiter) act on that value, never on the reason text. `mode` says who decided:
+    the planner's model ("model"), or the reactive rules ("reactive" when the planner is off,
+    "fallback" when it stood aside; `detail` then says why); empty when a gate held (warm-up,
+    settling, backoff, no data, a reload in flight) and nobody decided.
     """
 
     target: Settings
@@ -91,3 +94,5 @@ class Decision:
     valid: bool = True
     detail: str = ""
     held_by: Cap | None = None
+    mode: str = ""                        # "model" | "reactive" | "fallback" (reactive, planner set aside) | "arbiter"; "": a gate held
+    plan: dict | None = None              # with "model": the forecast band, the live and chosen candidates (for the log)
