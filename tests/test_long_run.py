@@ -30,6 +30,7 @@ def test_one_minute_of_serve_under_varying_load_stays_flat():
     samples = doc["samples"]
     assert len(samples) >= 15 and doc["serve_exit"] == 0
     assert doc["requests"] > 2000 and doc["failed_requests"] == 0, doc["errors"]
-    assert max(s["stubs"]["count"] for s in samples) >= 2              # the controller did add instances
+    assert max(s["stubs"]["count"] for s in samples) >= 2              # the controller did add instances ...
+    assert doc["reloads_applied"] >= 2 and doc["reloads_failed"] == 0   # ... and removed them (logged as applied)
     growth = long_run.check_growth(samples, warmup_s=30.0, rss_mb=40, fds=15, threads=10)
     assert not growth, (growth, [(s["t_s"], s["controller"], s["server"]) for s in samples])
