@@ -298,3 +298,36 @@ def test_a_delay_needs_a_clear_predicted_gain_over_the_shortest():
         if p.chosen is not None and p.chosen.settings.max_queue_delay_us > 0:
             shortest = planner.predict(S(1), p.chosen.arrival_rps, ServiceModel.build(inp.fits, None), 32, 1.0, 36.0)
             assert p.chosen.p99_ms <= planner.DELAY_MIN_GAIN * shortest.p99_ms
+
+
+# ---- a fake-clock scenario: ramp up, hold, fall -------------------------------------------------
+
+def test_ramp_scenario_scales_up_ahead_of_the_queue_and_down_by_consolidation_without_flapping():
+    """One-second ticks; the rate ramps 40 -> 420 req/s over 30 s, holds 20 s, drops to 40. Each change
+    applies at once (in place, 0.5 s); the service curve of a count is known once the count ran."""
+    lim = ModelLimits(p99_target_ms=30.0, max_instances=6)
+    st_ = policy.PolicyState(started_at=-100.0)
+    current, forecast = S(1), None
+    measured = {1}
+    changes, first_up_at = [], None
+    for t in range(0, 90):
+        rate = 40 + 380 * min(1.0, t / 30) if t < 50 else 40.0
+        forecast = Forecast.start(float(t), rate) if forecast is None else forecast.update(float(t), rate)
+        o = obs(rate, since=t - 5.0, span_s=5.0, p99_ms=None, p99_source="none", predicted_p99_ms=None)
+        inp = PlanInputs(fits=fits(*sorted(measured)), forecast=forecast, max_batch=32, interval_s=1.0)
+        d, st_ = policy.decide(o, current, st_, lim, LoopConfig(settle_s=0.0, min_span_s=1.0), float(t), 32, inp)
+        if d.valid and d.target != current:
+            assert d.mode == "model", d
+            changes.append((t, current, d.target, d.reason))
+            if d.target.instance_count > current.instance_count and first_up_at is None:
+                first_up_at = t
+            st_ = policy.record_applied(st_, d, current, o, float(t), apply_s=0.5)
+            current = d.target
+            measured.add(current.instance_count)
+    assert first_up_at is not None and first_up_at < 30                # while the ramp still rises
+    ups = [c for c in changes if c[2].instance_count > c[1].instance_count]
+    downs = [c for c in changes if c[2].instance_count < c[1].instance_count]
+    assert downs and all(c[0] >= 50 + CONSOLIDATE_TICKS - 1 for c in downs)   # only after the drop, k checks in a row
+    assert current.instance_count == 1                                  # back to one at 40 req/s
+    assert len(changes) <= 6, changes                                   # no flapping
+    assert max(c[2].instance_count for c in ups) <= lim.max_instances
