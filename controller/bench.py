@@ -41,6 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .decision_log import read_records
 from .loadgen import Trace, load_trace, poisson_schedule, summarize, run_open_loop_sync, make_inputs_from_config
 from .sweep import Cell, cells_of, load_sweep
 from .types import Settings
@@ -299,7 +300,7 @@ def _round(x: float | None, n: int = 2) -> float | None:
 def observations_for_bench(path: Path, model: str, wall0: float) -> list[dict]:
     """The controller's observation log as `signal_accuracy` wants it (times from the traffic start)."""
     out = []
-    for rec in _read_decisions(path):
+    for rec in read_records(path):
         obs = rec.get("obs") or {}
         if rec.get("model") != model or not obs or obs.get("valid") is False:
             continue
@@ -446,18 +447,6 @@ def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Pat
     return doc
 
 
-def _read_decisions(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, initial: Settings,
             oracle_plan: list[tuple[float, Settings]] | None = None) -> dict:
     """Run one arm on its own fresh server; return its records, change events and extras."""
@@ -517,7 +506,7 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
                 cpu_end = _proc_cpu_s(controller.pid)
                 t_end = time.monotonic()
                 stop_process(controller, timeout_s=5)
-                decisions = _read_decisions(decision_log)
+                decisions = read_records(decision_log)
                 for rec in decisions:
                     if rec.get("action") == "applied":
                         live = rec.get("live") or rec.get("target") or {}

@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from .bench import _proc_cpu_s, _read_decisions, instance_seconds, ratio, stop_process
+from .bench import _proc_cpu_s, instance_seconds, ratio, stop_process
+from .decision_log import read_records
 from .loadgen import Trace, TraceError, inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync, summarize
 from .types import Settings
 
@@ -166,7 +167,7 @@ def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path
                 cpu1, t1 = _proc_cpu_s(controller.pid), time.monotonic()
                 stop_process(controller, timeout_s=15)
                 moves = []
-                for rec in _read_decisions(decision_log):
+                for rec in read_records(decision_log):
                     if rec.get("action") == "applied":
                         live = rec.get("live") or rec.get("target") or {}
                         t_rel = round(rec["time"] - wall0, 3)
