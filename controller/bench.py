@@ -43,7 +43,7 @@ import numpy as np
 
 from .decision_log import read_records
 from .loadgen import Trace, load_trace, poisson_schedule, summarize, run_open_loop_sync, make_inputs_from_config
-from .sweep import Cell, cells_of, load_sweep
+from .sweep_schema import Cell, cells_of, load_sweep
 from .types import Settings
 
 ARMS = ("default", "best_static", "oracle", "adaptive")

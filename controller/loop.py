@@ -41,6 +41,7 @@ from .observer import ModelObserver, TraceFeed
 from .ownership import FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, TAKE_OVER, OwnerMark, OwnershipGuard, Verdict, identity, mark_of
 from . import ownership
 from .signals import ModelCounters, Scraper, StatsCounters
+from .sweep_schema import cells_of, load_sweep
 from .telemetry import ControllerMetrics
 from .traces import TraceApi
 from .types import Decision, GpuObservation, Observation, Settings
@@ -94,7 +95,6 @@ _NOT_QUIET = frozenset({"HoldWarmup", "HoldSettling", "HoldCooldown", "HoldBacko
 def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) -> tuple[policy.PerfPoint, ...]:
     """A sweep's cells for `model` as the policy's perf memory, judged against this model's own target.
     A missing or unreadable file is a one-line warning, not a crash: the controller then learns online."""
-    from .sweep import cells_of, load_sweep
     try:
         doc = load_sweep(path)
         cells = cells_of(doc) if doc.get("model", model) == model else []

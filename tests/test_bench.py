@@ -17,9 +17,8 @@ from controller.bench import (
 )
 from controller.cli import main
 from controller.loadgen import RequestRecord, load_trace
-from controller.sweep import (
-    Cell, best_per_level, cell_from_records, rates_from_trace, sweep_document,
-)
+from controller.sweep import cell_from_records, rates_from_trace
+from controller.sweep_schema import Cell, best_per_level, sweep_document
 from controller.types import Settings
 
 import numpy as np
