@@ -1,4 +1,4 @@
-"""Tests for controller.sweep and controller.bench.
+"""Tests for controller.evaluation.sweep and controller.evaluation.bench.
 
 Pure parts with worked numbers (choices from sweep cells, predictions, instance-seconds, step
 changes, reaction times, first good config, ratios, targets), the CLI's input errors, then one
@@ -11,13 +11,13 @@ import json
 
 import pytest
 
-from controller.bench import (
+from controller.evaluation.bench import (
     ARMS, bench_ratios, choose_best_static, choose_oracle, evaluate_targets, first_good_config_s,
     instance_seconds, pick, predicted_goodput, predicted_phase_goodput, reaction_times, step_changes,
 )
 from controller.cli import main
-from controller.loadgen import RequestRecord, load_trace
-from controller.sweep import cell_from_records, rates_from_trace
+from controller.evaluation.loadgen import RequestRecord, load_trace
+from controller.evaluation.sweep import cell_from_records, rates_from_trace
 from controller.sweep_schema import Cell, best_per_level, sweep_document
 from controller.types import Settings
 
@@ -308,7 +308,7 @@ def test_bench_end_to_end_tiny_scenario(tmp_path, capsys):
 # -- the controller's latency reading vs the clients' (issue 9) ------------------------------------
 
 def _signal_case(wrong_after_step: int = 2, error: float = 0.1):
-    from controller.loadgen import RequestRecord, load_trace
+    from controller.evaluation.loadgen import RequestRecord, load_trace
     trace = load_trace({"phases": [{"name": "a", "duration_s": 10, "rate_rps": 100},
                                    {"name": "b", "duration_s": 10, "rate_rps": 200}]})
     records = [RequestRecord(t, t, t + 0.010, True, None) for t in np.arange(0, 10, 0.01)]
@@ -326,7 +326,7 @@ def _signal_case(wrong_after_step: int = 2, error: float = 0.1):
 
 
 def test_signal_accuracy_matches_each_reading_to_the_clients_of_the_same_seconds():
-    from controller.bench import signal_accuracy
+    from controller.evaluation.bench import signal_accuracy
     observations, records, trace = _signal_case()
     doc = signal_accuracy(observations, records, trace)
     a, b = doc["p99_error_by_phase"]["a"], doc["p99_error_by_phase"]["b"]
@@ -341,7 +341,7 @@ def test_signal_accuracy_matches_each_reading_to_the_clients_of_the_same_seconds
 
 
 def test_signal_targets_say_missed_when_a_phase_reads_wrong():
-    from controller.bench import evaluate_signal_targets, signal_accuracy
+    from controller.evaluation.bench import evaluate_signal_targets, signal_accuracy
     observations, records, trace = _signal_case(wrong_after_step=10, error=0.0)   # never follows the step
     targets = evaluate_signal_targets(signal_accuracy(observations, records, trace))
     assert targets["p99_within_20pct_every_busy_phase"] == {"value": "1/2", "met": False}

@@ -28,7 +28,7 @@ import numpy as np
 
 from .bench import _proc_cpu_s
 from .loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync, summarize
-from .types import Settings
+from ..types import Settings
 
 
 @dataclasses.dataclass
@@ -48,10 +48,10 @@ class OverheadOptions:
 
 
 def _arm(opts: OverheadOptions, tracing: bool, schedule: np.ndarray, trace) -> dict:
-    from .actuation import Actuator, TritonControl
-    from .observer import TraceFeed
-    from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
-    from .traces import TraceApi
+    from ..actuation import Actuator, TritonControl
+    from ..observer import TraceFeed
+    from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+    from ..traces import TraceApi
 
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             models=[opts.model], repository=opts.repository or DEFAULT_REPOSITORY)

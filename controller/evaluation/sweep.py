@@ -31,8 +31,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .loadgen import Trace, load_trace, poisson_schedule, run_open_loop_sync, make_inputs_from_config
-from .sweep_schema import Cell, cells_of, sweep_document
-from .types import Settings
+from ..sweep_schema import Cell, cells_of, sweep_document
+from ..types import Settings
 
 SCHEDULE_MAX_REQUESTS = 2_000_000
 LEVEL_MERGE_RATIO = 1.25          # scenario rates closer than 25% share one sweep level
@@ -128,8 +128,8 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
               repository: Path | None = None, progress: Progress | None = None,
               on_cell: Callable[[Cell], None] | None = None) -> dict:
     """Start one fresh server, measure every cell, and return the sweep document (see module doc)."""
-    from .actuation import Actuator, TritonControl
-    from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+    from ..actuation import Actuator, TritonControl
+    from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
 
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             models=[model], repository=repository or DEFAULT_REPOSITORY)

@@ -35,9 +35,9 @@ import numpy as np
 import yaml
 
 from .bench import _proc_cpu_s, instance_seconds, ratio, stop_process
-from .decision_log import read_records
+from ..decision_log import read_records
 from .loadgen import Trace, TraceError, inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync, summarize
-from .types import Settings
+from ..types import Settings
 
 SIM_MEMORY_MB = 64            # what one sim_accel instance reports (its instance_memory_mb)
 TARGET_RATIO = 1.3
@@ -117,8 +117,8 @@ def _log(msg: str) -> None:
 def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path, out: Path,
             split: tuple[int, int] | None) -> dict:
     """One arm: a fresh server; static split applied before traffic, or the controller process."""
-    from .actuation import Actuator, TritonControl
-    from .server import ServerOptions, TritonServer, free_port
+    from ..actuation import Actuator, TritonControl
+    from ..server import ServerOptions, TritonServer, free_port
 
     names = list(sc.models)
     opts = ServerOptions(repository=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), models=names)
@@ -250,7 +250,7 @@ def plot(sc: Scenario, arms: dict[str, dict], bins: dict[str, dict[str, list[dic
 
 
 def bench_multi(scenario_path: Path, out: Path, seed: int = 0, repository_source: Path | None = None) -> dict:
-    from .server import DEFAULT_REPOSITORY
+    from ..server import DEFAULT_REPOSITORY
     sc = load_scenario(scenario_path)
     out.mkdir(parents=True, exist_ok=True)
     schedules = {n: poisson_schedule(t, seed=seed + i, max_requests=2_000_000) for i, (n, t) in enumerate(sc.models.items())}

@@ -41,10 +41,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .decision_log import read_records
+from ..decision_log import read_records
 from .loadgen import Trace, load_trace, poisson_schedule, summarize, run_open_loop_sync, make_inputs_from_config
-from .sweep_schema import Cell, cells_of, load_sweep
-from .types import Settings
+from ..sweep_schema import Cell, cells_of, load_sweep
+from ..types import Settings
 
 ARMS = ("default", "best_static", "oracle", "adaptive")
 DEFAULT_SETTINGS = Settings(1, 0)          # Triton's defaults for sim_accel: 1 instance, no batching delay
@@ -410,7 +410,7 @@ class _OracleSwitcher(threading.Thread):
 
     def __init__(self, grpc_url: str, http_url: str, model: str, plan: list[tuple[float, Settings]], t0: float):
         super().__init__(daemon=True, name="oracle-switcher")
-        from .actuation import Actuator, TritonControl
+        from ..actuation import Actuator, TritonControl
         self.control = TritonControl(grpc_url, http_url)
         self.actuator = Actuator(self.control)
         self.model, self.plan, self.t0 = model, plan, t0
@@ -450,8 +450,8 @@ def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Pat
 def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, initial: Settings,
             oracle_plan: list[tuple[float, Settings]] | None = None) -> dict:
     """Run one arm on its own fresh server; return its records, change events and extras."""
-    from .actuation import Actuator, TritonControl
-    from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+    from ..actuation import Actuator, TritonControl
+    from ..server import DEFAULT_REPOSITORY, PACKAGE_ROOT, ServerError, ServerOptions, TritonServer, free_port
 
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             models=[opts.model], repository=opts.repository or DEFAULT_REPOSITORY)
@@ -478,7 +478,7 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
                 extra["controller_settings"] = {"controller": ctl_doc["controller"], "model": ctl_doc["models"][opts.model]}
                 log_file = open(opts.out / "adaptive_controller.log", "wb")
                 env = dict(os.environ)
-                root = str(Path(__file__).resolve().parent.parent)
+                root = str(PACKAGE_ROOT)
                 env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
                 controller = subprocess.Popen(
                     [sys.executable, "-m", "controller", "run", "--config", str(cfg_path),
