@@ -1,15 +1,24 @@
 """Tests for controller.evaluation.sweep and controller.evaluation.bench.
 
 Pure parts with worked numbers (choices from sweep cells, predictions, instance-seconds, step
-changes, reaction times, first good config, ratios, targets), the CLI's input errors, then one
+changes, reaction times, first good config, ratios, targets), the CLI's input errors, the sweep's
+progress (plain lines when redirected, a tqdm bar on a terminal), then one
 short end-to-end sweep (2 cells of 2 s) and one short four-arm bench (2 phases of 4 s) against
 real tritonservers running the SIMULATED accelerator model.
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
+from conftest import ROOT
 
 from controller.evaluation.bench import (
     ARMS, bench_ratios, choose_best_static, choose_oracle, evaluate_targets, first_good_config_s,
@@ -239,6 +248,47 @@ def test_cli_bench_rejects_a_sweep_with_another_sla(tmp_path, capsys):
     assert "100 ms SLA" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------- the sweep's progress (tqdm)
+
+PROGRESS_RUN = ("from controller.evaluation.sweep import Progress\n"
+                "p = Progress(3)\n"
+                "for i in range(3):\n"
+                "    p.show(f'{i + 1} inst, 0 us, 60 req/s'); p.step(f'{i + 1} inst, 0 us, 60 req/s')\n"
+                "p.close()\n")
+
+
+def test_a_redirected_sweep_progress_is_plain_lines_without_carriage_returns(tmp_path):
+    log = tmp_path / "sweep.log"
+    with log.open("wb") as f:                  # as `controller sweep ... 2> sweep.log` does
+        r = subprocess.run([sys.executable, "-c", PROGRESS_RUN], cwd=ROOT, stdout=f, stderr=f, timeout=60)
+    assert r.returncode == 0, log.read_text()
+    text = log.read_text()
+    assert "\r" not in text and "\x1b" not in text
+    lines = text.splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == [f"sweep {i}/3: {i} inst, 0 us, 60 req/s" for i in (1, 2, 3)]
+
+
+def test_on_a_terminal_the_sweep_progress_is_a_tqdm_bar():
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))   # a terminal 120 columns wide
+    proc = subprocess.Popen([sys.executable, "-c", PROGRESS_RUN], cwd=ROOT, stdout=slave, stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:                        # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, out
+    text = out.decode(errors="replace")
+    assert "\r" in text and "3/3" in text and "3 inst, 0 us, 60 req/s" in text
+    assert "sweep 1/3:" not in text            # the plain lines are for logs only
+
+
 # ----------------------------------------------------------------------------- end to end (real server)
 
 
@@ -256,7 +306,10 @@ def test_sweep_end_to_end(tmp_path, capsys):
         assert c["goodput_rps"] == pytest.approx(c["offered_rps"], rel=0.02)
     assert doc["best_per_level"][0]["instance_count"] == 1      # fewest instances meeting the SLA
     assert (out / "sweep.png").stat().st_size > 10_000
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
+    assert "\r" not in captured.err and "\x1b" not in captured.err          # stderr is not a terminal here
+    assert "sweep 2/2: 2 inst, 0 us, 60 req/s" in captured.err
     assert "best config per load level" in table and "60 req/s -> 1 inst, 0 us" in table
     from controller.config import ModelLimits
     from controller.loop import warm_start_points

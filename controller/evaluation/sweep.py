@@ -91,27 +91,39 @@ def rates_from_trace(trace: Trace, merge_ratio: float = LEVEL_MERGE_RATIO) -> li
 # Running it
 # ---------------------------------------------------------------------------------------------
 class Progress:
-    """A one-line text progress bar on a stream (stderr): [#####-----] 5/24 label."""
+    """The sweep's progress on a stream (stderr). On a terminal, a tqdm bar (count, elapsed, time left,
+    the cell being measured); on anything else (a log file, a pipe) tqdm stays silent and each finished
+    cell is one plain line instead, so a redirected run's log has no carriage returns or escape codes:
 
-    def __init__(self, total: int, stream=None, width: int = 24):
-        self.total, self.done, self.width = max(1, total), 0, width
+        sweep 5/24: 4 inst, 0 us, 200 req/s (37 s)
+    """
+
+    def __init__(self, total: int, stream=None):
+        from tqdm import tqdm
+
+        self.total, self.done = max(1, total), 0
         self.stream = stream if stream is not None else sys.stderr
         self.t0 = time.monotonic()
+        # disable=None: tqdm turns itself off when the stream is not a terminal
+        self.bar = tqdm(total=self.total, file=self.stream, disable=None, unit="cell", desc="sweep",
+                        dynamic_ncols=True)
 
     def show(self, label: str) -> None:
-        filled = int(self.width * self.done / self.total)
-        elapsed = time.monotonic() - self.t0
-        eta = f", ~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else ""
-        self.stream.write(f"\r[{'#' * filled}{'-' * (self.width - filled)}] {self.done}/{self.total} "
-                          f"{label} ({elapsed:.0f} s{eta})\033[K")
-        self.stream.flush()
+        """The cell now being measured."""
+        self.bar.set_postfix_str(label)
 
     def step(self, label: str = "") -> None:
+        """One more cell done."""
         self.done += 1
-        self.show(label)
-        if self.done >= self.total:
-            self.stream.write("\n")
+        if self.bar.disable:
+            self.stream.write(f"sweep {self.done}/{self.total}: {label} ({time.monotonic() - self.t0:.0f} s)\n")
             self.stream.flush()
+        else:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def measure_cell(url: str, model: str, make_inputs, settings: Settings, rate_rps: float, *, seconds: float,
@@ -134,11 +146,11 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             models=[model], repository=repository or DEFAULT_REPOSITORY)
     configs = [Settings(i, d) for d in delays_us for i in instances]      # delay-major: few full reloads
-    progress = progress or Progress(len(configs) * len(rates_rps))
     cells: list[Cell] = []
     t0 = time.monotonic()
     with TritonServer(options) as server:
         control = TritonControl(server.grpc_url, server.http_url)
+        progress = progress or Progress(len(configs) * len(rates_rps))
         try:
             actuator = Actuator(control)
             make_inputs = make_inputs_from_config(server.http_url, model)
@@ -148,14 +160,16 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
                     raise ServerError(f"cannot apply {settings.instance_count} instance(s) / "
                                       f"{settings.max_queue_delay_us} us to {model}: {result.error}")
                 for k, rate in enumerate(rates_rps):
-                    progress.show(f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s")
+                    label = f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s"
+                    progress.show(label)
                     cell = measure_cell(server.grpc_url, model, make_inputs, settings, rate, seconds=seconds,
                                         warmup_s=warmup_s, sla_ms=sla_ms, seed=seed + k)
                     cells.append(cell)
                     if on_cell:
                         on_cell(cell)
-                    progress.step(f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s")
+                    progress.step(label)
         finally:
+            progress.close()
             control.close()
     return sweep_document(model, cells, sla_ms=sla_ms, seconds=seconds, warmup_s=warmup_s, seed=seed,
                           elapsed_s=time.monotonic() - t0)
