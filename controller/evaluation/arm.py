@@ -100,6 +100,12 @@ class ArmRun:
         return out
 
 
+def controller_run_s(traffic_s: float) -> float:
+    """The controller's --duration-s: it outlives the lead, the traffic and its last timeouts, then stops by
+    itself if nobody stops it. Example: 180 s of traffic -> 2 + 180 + 2 * 10 + 30 = 232 s."""
+    return CONTROLLER_LEAD_S + traffic_s + 2 * REQUEST_TIMEOUT_S + 30
+
+
 def log(msg: str) -> None:
     """A harness progress line, on stderr."""
     print(msg, file=sys.stderr, flush=True)

@@ -40,7 +40,7 @@ import numpy as np
 from ..decision_log import read_records
 from ..sweep_schema import Cell, cells_of, load_sweep
 from ..types import Settings
-from .arm import CONTROLLER_LEAD_S, REQUEST_TIMEOUT_S, ArmSpec, ControllerSpec, log as _log, settings_dict
+from .arm import REQUEST_TIMEOUT_S, ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
 from .arm import run_arm as run_shared_arm
 from .loadgen import Trace, load_trace, poisson_schedule, summarize
 
@@ -420,7 +420,7 @@ def _controller_spec(opts: BenchOptions, trace: Trace) -> ControllerSpec:
         settings={"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
                   "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto")},
         models={opts.model: limits}, observation_log=True,
-        duration_s=trace.duration_s + CONTROLLER_LEAD_S + 2 * REQUEST_TIMEOUT_S + 30)
+        duration_s=controller_run_s(trace.duration_s))
 
 
 def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, initial: Settings,

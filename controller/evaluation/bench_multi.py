@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 from ..types import Settings
-from .arm import CONTROLLER_LEAD_S, REQUEST_TIMEOUT_S, ArmSpec, ControllerSpec, log as _log, settings_dict
+from .arm import ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
 from .arm import run_arm as run_shared_arm
 from .bench import instance_seconds, ratio
 from .loadgen import Trace, TraceError, load_trace, poisson_schedule, summarize
@@ -116,7 +116,7 @@ def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path
                   "memory_budget_mb": sc.budget_instances * SIM_MEMORY_MB + SIM_MEMORY_MB / 2}
         controller = ControllerSpec(settings={"interval_s": 1.0, "window_s": 10.0, "gpu": "simulated"},
                                     models={n: {**limits, "priority": sc.priorities[n]} for n in names},
-                                    duration_s=sc.duration_s + CONTROLLER_LEAD_S + 2 * REQUEST_TIMEOUT_S + 30)
+                                    duration_s=controller_run_s(sc.duration_s))
     initial = {n: Settings(split[i] if split else 1, 0) for i, n in enumerate(names)}
     run = run_shared_arm(ArmSpec(arm, names, initial, schedules, out, repository=repo, controller=controller))
     events: dict[str, list[tuple[float, int]]] = {n: [(0.0, initial[n].instance_count)] for n in names}
