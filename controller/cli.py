@@ -459,8 +459,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .loadgen import TraceError, load_trace
-    from .sweep import format_table, rates_from_trace, run_sweep, write_sweep
+    from .evaluation.loadgen import TraceError, load_trace
+    from .evaluation.sweep import format_table, rates_from_trace, run_sweep, write_sweep
     if args.rates is None and args.scenario is not None:
         try:
             args.rates = rates_from_trace(load_trace(args.scenario))
@@ -479,7 +479,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.trace_overhead:
-        from .overhead import OverheadOptions, format_overhead, run_trace_overhead
+        from .evaluation.overhead import OverheadOptions, format_overhead, run_trace_overhead
         if len(args.overhead_rates) != 2:
             raise UsageError("--overhead-rates: give two rates, steady and overload (e.g. 200,500)")
         doc = run_trace_overhead(OverheadOptions(
@@ -491,8 +491,8 @@ def cmd_bench(args) -> int:
         return 0
     if args.scenario is None:
         raise UsageError("bench: --scenario is required (or --trace-overhead)")
-    from .bench import BenchError, run_bench
-    from .bench_multi import MultiBenchError, is_multi_model_scenario, run_bench_multi
+    from .evaluation.bench import BenchError, run_bench
+    from .evaluation.bench_multi import MultiBenchError, is_multi_model_scenario, run_bench_multi
     try:
         if is_multi_model_scenario(args.scenario):
             return run_bench_multi(args)      # two models sharing one device and memory budget
@@ -509,7 +509,7 @@ def _protocols(text: str) -> tuple[str, ...]:
 
 
 def cmd_soak(args) -> int:
-    from .soak import SoakError, SoakOptions, run_soak, summary_line
+    from .evaluation.soak import SoakError, SoakOptions, run_soak, summary_line
     opts = SoakOptions(reloads=args.reloads, out=args.out, rate_rps=args.rate_rps, model=args.model,
                        repository=args.repository, url=args.url, grpc_url=args.grpc_url, metrics_url=args.metrics_url,
                        auth_header=args.auth_header, gap_s=args.gap_s, seed=args.seed, protocols=args.protocols)

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from . import capacity as capacity_mod
@@ -37,11 +35,13 @@ from . import planner, policy
 from .arbiter import ModelView, arbitrate
 from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
 from .config import ControllerConfig, ModelLimits
+from .decision_log import JsonLog
 from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
 from .observer import ModelObserver, TraceFeed
 from .ownership import FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, TAKE_OVER, OwnerMark, OwnershipGuard, Verdict, identity, mark_of
 from . import ownership
 from .signals import ModelCounters, Scraper, StatsCounters
+from .sweep_schema import cells_of, load_sweep
 from .telemetry import ControllerMetrics
 from .traces import TraceApi
 from .types import Decision, GpuObservation, Observation, Settings
@@ -96,57 +96,9 @@ class ManagedModel:
 _NOT_QUIET = frozenset({"HoldWarmup", "HoldSettling", "HoldCooldown", "HoldBackoff", "HoldNoData"})
 
 
-class JsonLog:
-    """Append-only JSONL file (None: nothing is written), rotated by size.
-
-    With `max_bytes`, a line that would take the file past it first rotates: `<path>` -> `<path>.1`,
-    `.1` -> `.2`, ... up to `.<keep>`; the oldest is dropped. So at most (keep + 1) x max_bytes stay on disk.
-    """
-
-    def __init__(self, path: str | None, max_bytes: int | None = None, keep: int = 3):
-        self.path = Path(path) if path else None
-        self.max_bytes = max_bytes if max_bytes and max_bytes > 0 else None
-        self.keep = max(1, keep)
-        self._size = 0
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._size = self.path.stat().st_size if self.path.exists() else 0
-
-    def write(self, record: dict) -> None:
-        if self.path is None:
-            return
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        n = len(line.encode())
-        if self.max_bytes is not None and self._size > 0 and self._size + n > self.max_bytes:
-            self._rotate()
-        with self.path.open("a") as f:
-            f.write(line)
-        self._size += n
-
-    def _rotate(self) -> None:
-        try:
-            for i in range(self.keep, 0, -1):
-                src = self.path if i == 1 else self.path.with_name(f"{self.path.name}.{i - 1}")
-                if src.exists():
-                    src.replace(self.path.with_name(f"{self.path.name}.{i}"))   # replaces (drops) the oldest
-        except OSError as e:   # a failed rotation must not stop the controller: keep appending
-            log.warning("cannot rotate %s (%s); appending", self.path, e)
-            return
-        self._size = 0
-
-    def files(self) -> list[Path]:
-        """The current file and its rotated ones that exist, newest first."""
-        if self.path is None:
-            return []
-        names = [self.path] + [self.path.with_name(f"{self.path.name}.{i}") for i in range(1, self.keep + 1)]
-        return [p for p in names if p.exists()]
-
-
-
 def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) -> tuple[policy.PerfPoint, ...]:
     """A sweep's cells for `model` as the policy's perf memory, judged against this model's own target.
     A missing or unreadable file is a one-line warning, not a crash: the controller then learns online."""
-    from .sweep import cells_of, load_sweep
     try:
         doc = load_sweep(path)
         cells = cells_of(doc) if doc.get("model", model) == model else []

@@ -26,6 +26,7 @@ from typing import Any
 from . import runstate
 from .actuation import TritonControl, explain_error, settings_of
 from .config import ControllerConfig, ServerConfig
+from .decision_log import by_model, read_records
 from .server import ServerError
 
 CONTROLLER_TIMEOUT_S = 3.0
@@ -118,7 +119,7 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
         seen = dict(snapshot.get("models") or {}) if snapshot else {}
         names = list(seen) or list(target.models) or [n for n, m in states.items() if m.get("state")] or list(states)
         models: dict[str, dict] = {}
-        history = _decision_log(target.decision_log) if snapshot is None else {}
+        history = by_model(read_records(target.decision_log)) if snapshot is None else {}
         for name in names:
             entry = states.get(name, {})
             m: dict[str, Any] = {"state": entry.get("state") or "NOT LOADED"}
@@ -150,24 +151,6 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
     doc["controller_error"] = ctl_error
     doc["models"] = models
     return doc
-
-
-def _decision_log(path: str | None) -> dict[str, list[dict]]:
-    history: dict[str, list[dict]] = {}
-    if not path or not Path(path).exists():
-        return history
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError:
-        return history
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            history.setdefault(rec.get("model"), []).append(rec)
-    return history
 
 
 # ---- text ---------------------------------------------------------------------------------------

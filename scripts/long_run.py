@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync  # noqa: E402
+from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync  # noqa: E402
 from controller.server import free_port  # noqa: E402
 
 MODEL = "sim_accel"

@@ -1,25 +1,33 @@
-"""Tests for controller.sweep and controller.bench.
+"""Tests for controller.evaluation.sweep and controller.evaluation.bench.
 
 Pure parts with worked numbers (choices from sweep cells, predictions, instance-seconds, step
-changes, reaction times, first good config, ratios, targets), the CLI's input errors, then one
+changes, reaction times, first good config, ratios, targets), the CLI's input errors, the sweep's
+progress (plain lines when redirected, a tqdm bar on a terminal), then one
 short end-to-end sweep (2 cells of 2 s) and one short four-arm bench (2 phases of 4 s) against
 real tritonservers running the SIMULATED accelerator model.
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
+from conftest import ROOT
 
-from controller.bench import (
+from controller.evaluation.bench import (
     ARMS, bench_ratios, choose_best_static, choose_oracle, evaluate_targets, first_good_config_s,
     instance_seconds, pick, predicted_goodput, predicted_phase_goodput, reaction_times, step_changes,
 )
 from controller.cli import main
-from controller.loadgen import RequestRecord, load_trace
-from controller.sweep import (
-    Cell, best_per_level, cell_from_records, rates_from_trace, sweep_document,
-)
+from controller.evaluation.loadgen import RequestRecord, load_trace
+from controller.evaluation.sweep import cell_from_records, rates_from_trace
+from controller.sweep_schema import Cell, best_per_level, sweep_document
 from controller.types import Settings
 
 import numpy as np
@@ -240,6 +248,47 @@ def test_cli_bench_rejects_a_sweep_with_another_sla(tmp_path, capsys):
     assert "100 ms SLA" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------- the sweep's progress (tqdm)
+
+PROGRESS_RUN = ("from controller.evaluation.sweep import Progress\n"
+                "p = Progress(3)\n"
+                "for i in range(3):\n"
+                "    p.show(f'{i + 1} inst, 0 us, 60 req/s'); p.step(f'{i + 1} inst, 0 us, 60 req/s')\n"
+                "p.close()\n")
+
+
+def test_a_redirected_sweep_progress_is_plain_lines_without_carriage_returns(tmp_path):
+    log = tmp_path / "sweep.log"
+    with log.open("wb") as f:                  # as `controller sweep ... 2> sweep.log` does
+        r = subprocess.run([sys.executable, "-c", PROGRESS_RUN], cwd=ROOT, stdout=f, stderr=f, timeout=60)
+    assert r.returncode == 0, log.read_text()
+    text = log.read_text()
+    assert "\r" not in text and "\x1b" not in text
+    lines = text.splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == [f"sweep {i}/3: {i} inst, 0 us, 60 req/s" for i in (1, 2, 3)]
+
+
+def test_on_a_terminal_the_sweep_progress_is_a_tqdm_bar():
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))   # a terminal 120 columns wide
+    proc = subprocess.Popen([sys.executable, "-c", PROGRESS_RUN], cwd=ROOT, stdout=slave, stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:                        # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, out
+    text = out.decode(errors="replace")
+    assert "\r" in text and "3/3" in text and "3 inst, 0 us, 60 req/s" in text
+    assert "sweep 1/3:" not in text            # the plain lines are for logs only
+
+
 # ----------------------------------------------------------------------------- end to end (real server)
 
 
@@ -257,7 +306,10 @@ def test_sweep_end_to_end(tmp_path, capsys):
         assert c["goodput_rps"] == pytest.approx(c["offered_rps"], rel=0.02)
     assert doc["best_per_level"][0]["instance_count"] == 1      # fewest instances meeting the SLA
     assert (out / "sweep.png").stat().st_size > 10_000
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
+    assert "\r" not in captured.err and "\x1b" not in captured.err          # stderr is not a terminal here
+    assert "sweep 2/2: 2 inst, 0 us, 60 req/s" in captured.err
     assert "best config per load level" in table and "60 req/s -> 1 inst, 0 us" in table
     from controller.config import ModelLimits
     from controller.loop import warm_start_points
@@ -309,7 +361,7 @@ def test_bench_end_to_end_tiny_scenario(tmp_path, capsys):
 # -- the controller's latency reading vs the clients' (issue 9) ------------------------------------
 
 def _signal_case(wrong_after_step: int = 2, error: float = 0.1):
-    from controller.loadgen import RequestRecord, load_trace
+    from controller.evaluation.loadgen import RequestRecord, load_trace
     trace = load_trace({"phases": [{"name": "a", "duration_s": 10, "rate_rps": 100},
                                    {"name": "b", "duration_s": 10, "rate_rps": 200}]})
     records = [RequestRecord(t, t, t + 0.010, True, None) for t in np.arange(0, 10, 0.01)]
@@ -327,7 +379,7 @@ def _signal_case(wrong_after_step: int = 2, error: float = 0.1):
 
 
 def test_signal_accuracy_matches_each_reading_to_the_clients_of_the_same_seconds():
-    from controller.bench import signal_accuracy
+    from controller.evaluation.bench import signal_accuracy
     observations, records, trace = _signal_case()
     doc = signal_accuracy(observations, records, trace)
     a, b = doc["p99_error_by_phase"]["a"], doc["p99_error_by_phase"]["b"]
@@ -342,7 +394,7 @@ def test_signal_accuracy_matches_each_reading_to_the_clients_of_the_same_seconds
 
 
 def test_signal_targets_say_missed_when_a_phase_reads_wrong():
-    from controller.bench import evaluate_signal_targets, signal_accuracy
+    from controller.evaluation.bench import evaluate_signal_targets, signal_accuracy
     observations, records, trace = _signal_case(wrong_after_step=10, error=0.0)   # never follows the step
     targets = evaluate_signal_targets(signal_accuracy(observations, records, trace))
     assert targets["p99_within_20pct_every_busy_phase"] == {"value": "1/2", "met": False}

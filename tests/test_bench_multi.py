@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from controller.bench_multi import MultiBenchError, _peak_total, bench_multi, is_multi_model_scenario, load_scenario, static_splits
+from controller.evaluation.bench_multi import MultiBenchError, _peak_total, bench_multi, is_multi_model_scenario, load_scenario, static_splits
 
 
 def test_static_splits_cover_every_split_with_one_instance_each():

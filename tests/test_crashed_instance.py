@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from controller.actuation import Actuator, TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
-from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.loop import Controller
 from controller.types import Settings
 

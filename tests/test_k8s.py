@@ -307,7 +307,7 @@ def test_the_sidecar_image_installs_what_the_controller_imports():
     module_of = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "pynvml": "nvidia-ml-py",
                  "tritonclient": "tritonclient", "numpy": "numpy"}
     run_path = ["cli", "loop", "actuation", "signals", "traces", "service", "gpu", "observer", "arbiter", "policy",
-                "capacity", "status", "runstate", "server", "telemetry", "config", "types"]
+                "capacity", "status", "runstate", "server", "telemetry", "config", "types", "decision_log", "sweep_schema"]
     imported = set()
     for mod in run_path:
         for line in (ROOT / "controller" / f"{mod}.py").read_text().splitlines():

@@ -1,4 +1,4 @@
-"""Tests for controller.loadgen: traces, schedules, the loopback guard, summaries, a real run."""
+"""Tests for controller.evaluation.loadgen: traces, schedules, the loopback guard, summaries, a real run."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.loadgen import (
+from controller.evaluation.loadgen import (
     ERROR_CLIENT_OVERLOADED, ERROR_TIMEOUT, RequestRecord, TraceError, inputs_from_config,
     load_trace, make_inputs_from_config, make_resnet_tiny_inputs, poisson_schedule,
     require_loopback, run_open_loop_sync, summarize,

@@ -1,4 +1,4 @@
-"""Issue 13, item 5: the decision and observation logs rotate by size and keep a few files."""
+"""Issue 13, item 5: the decision and observation logs rotate by size and keep a few files; the reader."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from controller.config import ConfigError, ControllerConfig, LoopConfig, parse_config
-from controller.loop import JsonLog
+from controller.decision_log import JsonLog, by_model, read_records
 
 
 def _lines(paths) -> list[dict]:
@@ -54,6 +54,19 @@ def test_a_failed_rotation_keeps_appending(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(type(path), "replace", lambda self, target: (_ for _ in ()).throw(PermissionError("ro")))
     log.write({"pad": "y" * 80})
     assert len(_lines([path])) == 2 and "cannot rotate" in caplog.text
+
+
+def test_the_reader_reads_what_the_writer_wrote_and_skips_torn_lines(tmp_path):
+    path = tmp_path / "d.jsonl"
+    log = JsonLog(str(path))
+    log.write({"model": "a", "i": 1})
+    log.write({"model": "b", "i": 2})
+    log.write({"model": "a", "i": 3})
+    with path.open("a") as f:
+        f.write('[1, 2]\n{"model": "a", "i"')           # not an object, then a torn last line
+    assert [r["i"] for r in read_records(path)] == [1, 2, 3]
+    assert {m: [r["i"] for r in rs] for m, rs in by_model(read_records(str(path))).items()} == {"a": [1, 3], "b": [2]}
+    assert read_records(tmp_path / "missing.jsonl") == [] and read_records(None) == []
 
 
 def test_config_fields_reach_both_logs(tmp_path):

@@ -275,7 +275,7 @@ def _cli(env, *args, timeout=60) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_the_newcomer_walk_serve_status_traffic_status_stop(tmp_path, capsys):
-    from controller.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync
+    from controller.evaluation.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync
     folder = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"}
     env[runstate.ENV_RUN_DIR] = str(folder)

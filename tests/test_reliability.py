@@ -21,7 +21,7 @@ from conftest import ROOT, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.gpu import FakeGpuSource
-from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.loop import Controller
 from controller.server import ServerOptions, TritonServer, free_port
 from controller.types import GpuObservation, Settings

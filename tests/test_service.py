@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import start_server
 from controller.actuation import Actuator, TritonControl
-from controller.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync
+from controller.evaluation.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync
 from controller.service import ServiceFit, ServiceTimes, batch_deltas, counters_restarted, fit_service
 from controller.signals import BatchStat, Scraper, StatsCounters, parse_stats
 from controller.types import Settings

@@ -8,7 +8,7 @@ import pytest
 from conftest import start_server
 from controller.actuation import Actuator, TritonControl
 from controller.cli import main
-from controller.soak import CounterTracker, _targets
+from controller.evaluation.soak import CounterTracker, _targets
 from controller.types import Settings
 
 MODEL = "sim_accel"

@@ -610,7 +610,7 @@ def _client_p99_ms(records_) -> float:
 @pytest.mark.slow
 def test_live_trace_p99_matches_client_p99_and_files_are_removed():
     from conftest import start_server
-    from controller.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync
+    from controller.evaluation.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync
 
     key = ("admin-key", "k")
     server = start_server([MODEL], restricted_key=key)

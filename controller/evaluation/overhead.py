@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import _proc_cpu_s
+from .arm import proc_cpu_s
 from .loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync, summarize
-from .types import Settings
+from ..types import Settings
 
 
 @dataclasses.dataclass
@@ -48,10 +48,10 @@ class OverheadOptions:
 
 
 def _arm(opts: OverheadOptions, tracing: bool, schedule: np.ndarray, trace) -> dict:
-    from .actuation import Actuator, TritonControl
-    from .observer import TraceFeed
-    from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
-    from .traces import TraceApi
+    from ..actuation import Actuator, TritonControl
+    from ..observer import TraceFeed
+    from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+    from ..traces import TraceApi
 
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             models=[opts.model], repository=opts.repository or DEFAULT_REPOSITORY)
@@ -79,7 +79,7 @@ def _arm(opts: OverheadOptions, tracing: bool, schedule: np.ndarray, trace) -> d
                     read["rates"].add(feed.sampling[opts.model].rate)
 
         follower = threading.Thread(target=follow, daemon=True) if feed is not None else None
-        cpu0 = _proc_cpu_s(server.process.pid)
+        cpu0 = proc_cpu_s(server.process.pid)
         if follower is not None:
             feed.start()
             feed.adapt(opts.model, trace.rate_at(0.0), time.monotonic())
@@ -87,7 +87,7 @@ def _arm(opts: OverheadOptions, tracing: bool, schedule: np.ndarray, trace) -> d
         try:
             records = run_open_loop_sync(server.grpc_url, opts.model, schedule, make_inputs, protocol="grpc",
                                          timeout_s=10.0)
-            cpu1 = _proc_cpu_s(server.process.pid)
+            cpu1 = proc_cpu_s(server.process.pid)
         finally:
             done.set()
             if follower is not None:

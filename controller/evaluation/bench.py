@@ -1,4 +1,4 @@
-"""The benchmark: one traffic scenario, four arms, each on its own fresh tritonserver.
+"""The benchmark: one traffic scenario, four arms, each on its own fresh tritonserver (run by arm.py).
 
 Every arm replays the *same* open-loop Poisson schedule (same trace, same seed), and latency is
 measured from each request's scheduled send time (no coordinated omission).
@@ -30,10 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -41,9 +37,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .loadgen import Trace, load_trace, poisson_schedule, summarize, run_open_loop_sync, make_inputs_from_config
-from .sweep import Cell, cells_of, load_sweep
-from .types import Settings
+from ..decision_log import read_records
+from ..sweep_schema import Cell, cells_of, load_sweep
+from ..types import Settings
+from .arm import REQUEST_TIMEOUT_S, ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
+from .arm import run_arm as run_shared_arm
+from .loadgen import Trace, load_trace, poisson_schedule, summarize
 
 ARMS = ("default", "best_static", "oracle", "adaptive")
 DEFAULT_SETTINGS = Settings(1, 0)          # Triton's defaults for sim_accel: 1 instance, no batching delay
@@ -52,8 +51,6 @@ PREDICTION_STEP_S = 0.5                    # sampling step of rate(t) inside a p
 STEP_CHANGE_RATIO = 0.2                    # a phase border is a step if the rate jumps >= 20%
 REACTION_WITHIN = 0.10                     # adaptive goodput within 10% of the oracle's ...
 REACTION_HOLD_BINS = 3                     # ... for 3 consecutive 1-s bins (or until the next step)
-CONTROLLER_LEAD_S = 2.0                    # the controller process starts this long before traffic
-REQUEST_TIMEOUT_S = 10.0
 SCHEDULE_MAX_REQUESTS = 2_000_000
 
 TARGETS = {   # name -> (comparison, threshold), from issue 4
@@ -301,7 +298,7 @@ def _round(x: float | None, n: int = 2) -> float | None:
 def observations_for_bench(path: Path, model: str, wall0: float) -> list[dict]:
     """The controller's observation log as `signal_accuracy` wants it (times from the traffic start)."""
     out = []
-    for rec in _read_decisions(path):
+    for rec in read_records(path):
         obs = rec.get("obs") or {}
         if rec.get("model") != model or not obs or obs.get("valid") is False:
             continue
@@ -382,36 +379,12 @@ class BenchOptions:
     controller_scale_down_delay_s: float | None = None   # None: the controller's default
 
 
-def _proc_cpu_s(pid: int) -> float | None:
-    """utime + stime of a process in seconds, from /proc/<pid>/stat (None if gone)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # fields 14, 15 of stat
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 class _OracleSwitcher(threading.Thread):
     """Applies the oracle's per-phase config at each phase border (relative to `t0`, monotonic)."""
 
     def __init__(self, grpc_url: str, http_url: str, model: str, plan: list[tuple[float, Settings]], t0: float):
         super().__init__(daemon=True, name="oracle-switcher")
-        from .actuation import Actuator, TritonControl
+        from ..actuation import Actuator, TritonControl
         self.control = TritonControl(grpc_url, http_url)
         self.actuator = Actuator(self.control)
         self.model, self.plan, self.t0 = model, plan, t0
@@ -434,120 +407,57 @@ class _OracleSwitcher(threading.Thread):
         finally:
             self.control.close()
 
+    def stop(self) -> list[dict]:
+        """Stop switching (a change under way finishes first) and return the changes made."""
+        self.stop_event.set()
+        self.join(timeout=REQUEST_TIMEOUT_S * 3)
+        return self.events
 
-def _controller_config(path: Path, server, opts: BenchOptions, decision_log: Path, observation_log: Path) -> dict:
-    import yaml
-    doc = {"server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
-           "controller": {"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
-                          "decision_log": str(decision_log), "observation_log": str(observation_log),
-                          "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto")},
-           "models": {opts.model: {"p99_target_ms": opts.sla_ms, "max_instances": opts.max_instances}}}
+
+def _controller_spec(opts: BenchOptions, trace: Trace) -> ControllerSpec:
+    limits = {"p99_target_ms": opts.sla_ms, "max_instances": opts.max_instances}
     if opts.controller_scale_down_delay_s is not None:
-        doc["models"][opts.model]["scale_down_delay_s"] = opts.controller_scale_down_delay_s
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return doc
-
-
-def _read_decisions(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+        limits["scale_down_delay_s"] = opts.controller_scale_down_delay_s
+    return ControllerSpec(
+        settings={"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
+                  "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto")},
+        models={opts.model: limits}, observation_log=True,
+        duration_s=controller_run_s(trace.duration_s))
 
 
 def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, initial: Settings,
             oracle_plan: list[tuple[float, Settings]] | None = None) -> dict:
-    """Run one arm on its own fresh server; return its records, change events and extras."""
-    from .actuation import Actuator, TritonControl
-    from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+    """Run one arm on its own fresh server (controller/evaluation/arm.py); return its records, change
+    events and extras."""
+    def start_switcher(server, t0: float) -> _OracleSwitcher:
+        switcher = _OracleSwitcher(server.grpc_url, server.http_url, opts.model, oracle_plan[1:], t0)
+        switcher.start()
+        return switcher
 
-    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            models=[opts.model], repository=opts.repository or DEFAULT_REPOSITORY)
+    run = run_shared_arm(ArmSpec(arm, [opts.model], {opts.model: initial}, {opts.model: schedule}, opts.out,
+                                 repository=opts.repository,
+                                 helper=start_switcher if arm == "oracle" and oracle_plan else None,
+                                 controller=_controller_spec(opts, trace) if arm == "adaptive" else None))
+    events = [{"t": 0.0, "instances": initial.instance_count, "delay_us": initial.max_queue_delay_us,
+               "kind": "initial"}] + run.helper_events
     extra: dict = {}
-    t_start = time.monotonic()
-    with TritonServer(options) as server:
-        server_start_s = time.monotonic() - t_start
-        control = TritonControl(server.grpc_url, server.http_url)
-        try:
-            result = Actuator(control).apply(opts.model, initial)
-            if not result.ok:
-                raise ServerError(f"{arm}: cannot apply the initial config {initial}: {result.error}")
-            make_inputs = make_inputs_from_config(server.http_url, opts.model)
-            events = [{"t": 0.0, "instances": initial.instance_count, "delay_us": initial.max_queue_delay_us,
-                       "kind": "initial"}]
-            controller = switcher = None
-            decision_log = opts.out / "adaptive_decisions.jsonl"
-            observation_log = opts.out / "adaptive_observations.jsonl"
-            if arm == "adaptive":
-                decision_log.unlink(missing_ok=True)
-                observation_log.unlink(missing_ok=True)
-                cfg_path = opts.out / "adaptive_controller.yaml"
-                ctl_doc = _controller_config(cfg_path, server, opts, decision_log, observation_log)
-                extra["controller_settings"] = {"controller": ctl_doc["controller"], "model": ctl_doc["models"][opts.model]}
-                log_file = open(opts.out / "adaptive_controller.log", "wb")
-                env = dict(os.environ)
-                root = str(Path(__file__).resolve().parent.parent)
-                env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-                controller = subprocess.Popen(
-                    [sys.executable, "-m", "controller", "run", "--config", str(cfg_path),
-                     "--duration-s", str(trace.duration_s + CONTROLLER_LEAD_S + 2 * REQUEST_TIMEOUT_S + 30)],
-                    cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                log_file.close()
-                spawned = time.monotonic()
-                time.sleep(CONTROLLER_LEAD_S)
-                if controller.poll() is not None:
-                    raise ServerError(f"the controller exited with code {controller.returncode} before the traffic; "
-                                      f"see {opts.out / 'adaptive_controller.log'}")
-                cpu_start = _proc_cpu_s(controller.pid)
-            wall0, t0 = time.time(), time.monotonic()
-            if arm == "oracle" and oracle_plan:
-                switcher = _OracleSwitcher(server.grpc_url, server.http_url, opts.model, oracle_plan[1:], t0)
-                switcher.start()
-            records = run_open_loop_sync(server.grpc_url, opts.model, schedule, make_inputs, protocol="grpc",
-                                         timeout_s=REQUEST_TIMEOUT_S)
-            traffic_s = time.monotonic() - t0
-            if switcher is not None:
-                switcher.stop_event.set()
-                switcher.join(timeout=REQUEST_TIMEOUT_S * 3)
-                events += switcher.events
-            if controller is not None:
-                cpu_end = _proc_cpu_s(controller.pid)
-                t_end = time.monotonic()
-                stop_process(controller, timeout_s=5)
-                decisions = _read_decisions(decision_log)
-                for rec in decisions:
-                    if rec.get("action") == "applied":
-                        live = rec.get("live") or rec.get("target") or {}
-                        events.append({"t": round(rec["time"] - wall0, 3), "instances": live.get("instances"),
-                                       "delay_us": live.get("delay_us"), "kind": rec.get("kind"),
-                                       "reason": rec.get("reason"), "apply_s": rec.get("apply_s")})
-                reasons: dict[str, int] = {}
-                modes: dict[str, int] = {}          # who decided each logged record: model | fallback | reactive
-                for rec in decisions:
-                    reasons[rec.get("reason", "?")] = reasons.get(rec.get("reason", "?"), 0) + 1
-                    modes[rec.get("mode", "?")] = modes.get(rec.get("mode", "?"), 0) + 1
-                extra["controller_observations"] = observations_for_bench(observation_log, opts.model, wall0)
-                extra["controller"] = {
-                    "cpu_pct": (None if cpu_start is None or cpu_end is None else
-                                round(100.0 * (cpu_end - cpu_start) / (t_end - t0), 3)),
-                    "cpu_pct_incl_startup": (None if cpu_end is None else
-                                             round(100.0 * cpu_end / (t_end - spawned), 3)),
-                    "cpu_s": cpu_end, "exit_code": controller.returncode, "decision_records": len(decisions),
-                    "reasons_logged": reasons, "modes_logged": modes}
-            events.sort(key=lambda e: e["t"])
-            try:
-                extra["live_at_end"] = dataclasses.asdict(Actuator(control).read(opts.model)[1])
-            except Exception:  # noqa: BLE001 - informational only
-                extra["live_at_end"] = None
-        finally:
-            control.close()
-    extra.update(server_start_s=round(server_start_s, 2), traffic_s=round(traffic_s, 2))
-    return {"records": records, "events": events, "extra": extra}
+    if run.controller is not None:
+        events += [{k: c[k] for k in ("t", "instances", "delay_us", "kind", "reason", "apply_s")}
+                   for c in run.applied_changes()]
+        reasons: dict[str, int] = {}
+        modes: dict[str, int] = {}          # who decided each logged record: model | reactive | fallback | arbiter
+        for rec in run.decisions:
+            reasons[rec.get("reason", "?")] = reasons.get(rec.get("reason", "?"), 0) + 1
+            modes[rec.get("mode", "-")] = modes.get(rec.get("mode", "-"), 0) + 1
+        extra["controller_settings"] = {"controller": run.controller_doc["controller"],
+                                        "model": run.controller_doc["models"][opts.model]}
+        extra["controller_observations"] = observations_for_bench(run.observation_log, opts.model, run.wall0)
+        extra["controller"] = {**run.controller, "decision_records": len(run.decisions), "reasons_logged": reasons,
+                               "modes_logged": modes}
+    events.sort(key=lambda e: e["t"])
+    extra["live_at_end"] = settings_dict(run.live_at_end[opts.model])
+    extra.update(server_start_s=run.server_start_s, traffic_s=run.traffic_s)
+    return {"records": run.records[opts.model], "events": events, "extra": extra}
 
 
 def arm_summary(arm: str, run: dict, trace: Trace, sla_ms: float) -> tuple[dict, list[dict]]:

@@ -15,7 +15,7 @@ best config is the one with the fewest instances that meets the SLA, then the hi
 then the shorter delay; a level where nothing meets it reports the highest-goodput cell, marked
 `met_sla: false`.
 
-Outputs: `sweep.json` (cells + best per level), `sweep.png` (throughput vs p99 per config) and a
+Outputs: `sweep.json` (cells + best per level, its shape in controller/sweep_schema.py), `sweep.png` (throughput vs p99 per config) and a
 table. `controller.warm_start: sweep.json` turns the cells into perf points a controller can
 warm-start from.
 """
@@ -25,38 +25,17 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .loadgen import Trace, load_trace, poisson_schedule, run_open_loop_sync, make_inputs_from_config
-from .types import Settings
+from ..sweep_schema import Cell, cells_of, sweep_document
+from ..types import Settings
 
 SCHEDULE_MAX_REQUESTS = 2_000_000
 LEVEL_MERGE_RATIO = 1.25          # scenario rates closer than 25% share one sweep level
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One measured (config, offered load) point. Rates are per second of the measured window."""
-
-    instance_count: int
-    max_queue_delay_us: int
-    arrival_rps: float          # the rate asked for (the load level)
-    offered_rps: float          # requests actually scheduled in the measured window, per second
-    completion_rps: float       # successful requests per second
-    goodput_rps: float          # successful within the SLA per second
-    p50_ms: float | None
-    p99_ms: float | None
-    requests: int
-    failed: int
-    met_sla: bool
-
-    @property
-    def settings(self) -> Settings:
-        return Settings(self.instance_count, self.max_queue_delay_us)
 
 
 def cell_from_records(records, settings: Settings, rate_rps: float, warmup_s: float, seconds: float,
@@ -78,28 +57,8 @@ def cell_from_records(records, settings: Settings, rate_rps: float, warmup_s: fl
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure choices over cells
+# Pure: load levels from a trace
 # ---------------------------------------------------------------------------------------------
-def best_per_level(cells: Sequence[Cell]) -> list[dict]:
-    """Per load level: fewest instances meeting the SLA, then highest goodput, then shorter delay.
-
-    Example: at 150 req/s, (1 inst, 0 us) misses with p99 80 ms, (2, 0) meets with goodput 149.5
-    and (4, 0) meets with goodput 150.0 -> (2, 0): the fewest instances that meet the SLA.
-    """
-    out = []
-    for rate in sorted({c.arrival_rps for c in cells}):
-        level = [c for c in cells if c.arrival_rps == rate]
-        meeting = [c for c in level if c.met_sla]
-        if meeting:
-            best = min(meeting, key=lambda c: (c.instance_count, -c.goodput_rps, c.max_queue_delay_us))
-        else:
-            best = max(level, key=lambda c: (c.goodput_rps, -c.instance_count, -c.max_queue_delay_us))
-        out.append({"arrival_rps": rate, "instance_count": best.instance_count,
-                    "max_queue_delay_us": best.max_queue_delay_us, "goodput_rps": best.goodput_rps,
-                    "p99_ms": best.p99_ms, "met_sla": best.met_sla})
-    return out
-
-
 def rates_from_trace(trace: Trace, merge_ratio: float = LEVEL_MERGE_RATIO) -> list[float]:
     """Load levels covering a trace: every phase's start, end and burst rate, merged when close.
 
@@ -132,27 +91,39 @@ def rates_from_trace(trace: Trace, merge_ratio: float = LEVEL_MERGE_RATIO) -> li
 # Running it
 # ---------------------------------------------------------------------------------------------
 class Progress:
-    """A one-line text progress bar on a stream (stderr): [#####-----] 5/24 label."""
+    """The sweep's progress on a stream (stderr). On a terminal, a tqdm bar (count, elapsed, time left,
+    the cell being measured); on anything else (a log file, a pipe) tqdm stays silent and each finished
+    cell is one plain line instead, so a redirected run's log has no carriage returns or escape codes:
 
-    def __init__(self, total: int, stream=None, width: int = 24):
-        self.total, self.done, self.width = max(1, total), 0, width
+        sweep 5/24: 4 inst, 0 us, 200 req/s (37 s)
+    """
+
+    def __init__(self, total: int, stream=None):
+        from tqdm import tqdm
+
+        self.total, self.done = max(1, total), 0
         self.stream = stream if stream is not None else sys.stderr
         self.t0 = time.monotonic()
+        # disable=None: tqdm turns itself off when the stream is not a terminal
+        self.bar = tqdm(total=self.total, file=self.stream, disable=None, unit="cell", desc="sweep",
+                        dynamic_ncols=True)
 
     def show(self, label: str) -> None:
-        filled = int(self.width * self.done / self.total)
-        elapsed = time.monotonic() - self.t0
-        eta = f", ~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else ""
-        self.stream.write(f"\r[{'#' * filled}{'-' * (self.width - filled)}] {self.done}/{self.total} "
-                          f"{label} ({elapsed:.0f} s{eta})\033[K")
-        self.stream.flush()
+        """The cell now being measured."""
+        self.bar.set_postfix_str(label)
 
     def step(self, label: str = "") -> None:
+        """One more cell done."""
         self.done += 1
-        self.show(label)
-        if self.done >= self.total:
-            self.stream.write("\n")
+        if self.bar.disable:
+            self.stream.write(f"sweep {self.done}/{self.total}: {label} ({time.monotonic() - self.t0:.0f} s)\n")
             self.stream.flush()
+        else:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def measure_cell(url: str, model: str, make_inputs, settings: Settings, rate_rps: float, *, seconds: float,
@@ -169,17 +140,17 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
               repository: Path | None = None, progress: Progress | None = None,
               on_cell: Callable[[Cell], None] | None = None) -> dict:
     """Start one fresh server, measure every cell, and return the sweep document (see module doc)."""
-    from .actuation import Actuator, TritonControl
-    from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+    from ..actuation import Actuator, TritonControl
+    from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
 
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             models=[model], repository=repository or DEFAULT_REPOSITORY)
     configs = [Settings(i, d) for d in delays_us for i in instances]      # delay-major: few full reloads
-    progress = progress or Progress(len(configs) * len(rates_rps))
     cells: list[Cell] = []
     t0 = time.monotonic()
     with TritonServer(options) as server:
         control = TritonControl(server.grpc_url, server.http_url)
+        progress = progress or Progress(len(configs) * len(rates_rps))
         try:
             actuator = Actuator(control)
             make_inputs = make_inputs_from_config(server.http_url, model)
@@ -189,46 +160,19 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
                     raise ServerError(f"cannot apply {settings.instance_count} instance(s) / "
                                       f"{settings.max_queue_delay_us} us to {model}: {result.error}")
                 for k, rate in enumerate(rates_rps):
-                    progress.show(f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s")
+                    label = f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s"
+                    progress.show(label)
                     cell = measure_cell(server.grpc_url, model, make_inputs, settings, rate, seconds=seconds,
                                         warmup_s=warmup_s, sla_ms=sla_ms, seed=seed + k)
                     cells.append(cell)
                     if on_cell:
                         on_cell(cell)
-                    progress.step(f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s")
+                    progress.step(label)
         finally:
+            progress.close()
             control.close()
     return sweep_document(model, cells, sla_ms=sla_ms, seconds=seconds, warmup_s=warmup_s, seed=seed,
                           elapsed_s=time.monotonic() - t0)
-
-
-def sweep_document(model: str, cells: Sequence[Cell], *, sla_ms: float, seconds: float, warmup_s: float,
-                   seed: int, elapsed_s: float | None = None) -> dict:
-    return {"model": model, "sla_ms": sla_ms, "seconds": seconds, "warmup_s": warmup_s, "seed": seed,
-            "elapsed_s": None if elapsed_s is None else round(elapsed_s, 1),
-            "cells": [asdict(c) for c in cells], "best_per_level": best_per_level(cells)}
-
-
-def load_sweep(path: str | Path) -> dict:
-    """Read a sweep.json; ValueError with one line if it is not one."""
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except OSError as e:
-        raise ValueError(f"sweep file {p}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"sweep file {p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("cells"), list) or not doc["cells"]:
-        raise ValueError(f"sweep file {p}: expected a mapping with a non-empty 'cells' list")
-    return doc
-
-
-def cells_of(doc: dict) -> list[Cell]:
-    fields = Cell.__dataclass_fields__
-    try:
-        return [Cell(**{k: c[k] for k in fields}) for c in doc["cells"]]
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"sweep cells: each needs {', '.join(fields)} ({e})") from None
 
 
 # ---------------------------------------------------------------------------------------------

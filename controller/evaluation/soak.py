@@ -2,7 +2,7 @@
 
 `python -m controller soak --reloads N --out DIR` starts its own tritonserver (repository API behind
 a generated key) or uses a running one (`--url`, loopback only), drives a Poisson open-loop load
-(`controller/loadgen.py`, gRPC) and meanwhile applies N reloads through the controller's own
+(`controller/evaluation/loadgen.py`, gRPC) and meanwhile applies N reloads through the controller's own
 `Actuator`, alternating
 
 * an instance-only change (count base <-> base+1): Triton updates instances in place, and
@@ -30,13 +30,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .actuation import Actuator, TritonControl, has_dynamic_batching, settings_of
+from ..actuation import Actuator, TritonControl, has_dynamic_batching, settings_of
 from .loadgen import inputs_from_config, load_trace, poisson_schedule, require_loopback, run_open_loop
-from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
-from .signals import Scraper
-from .types import Settings
+from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+from ..signals import Scraper
+from ..types import Settings
 
-log = logging.getLogger("controller.soak")
+log = logging.getLogger("controller.evaluation.soak")
 
 ADMIN_HEADER = "admin-key"
 DELAY_STEP_US = 500          # the full reloads toggle the delay by this much

@@ -24,24 +24,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from .bench import _proc_cpu_s, _read_decisions, instance_seconds, ratio, stop_process
-from .loadgen import Trace, TraceError, inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync, summarize
-from .types import Settings
+from ..types import Settings
+from .arm import ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
+from .arm import run_arm as run_shared_arm
+from .bench import instance_seconds, ratio
+from .loadgen import Trace, TraceError, load_trace, poisson_schedule, summarize
 
 SIM_MEMORY_MB = 64            # what one sim_accel instance reports (its instance_memory_mb)
 TARGET_RATIO = 1.3
-REQUEST_TIMEOUT_S = 10.0
-CONTROLLER_LEAD_S = 2.0
 
 
 class MultiBenchError(ValueError):
@@ -109,80 +105,32 @@ def make_repository(dest: Path, names: list[str], source: Path) -> Path:
     return dest
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path, out: Path,
             split: tuple[int, int] | None) -> dict:
-    """One arm: a fresh server; static split applied before traffic, or the controller process."""
-    from .actuation import Actuator, TritonControl
-    from .server import ServerOptions, TritonServer, free_port
-
+    """One arm (controller/evaluation/arm.py): a static split applied before the traffic, or (no split)
+    the controller managing both models from one instance each."""
     names = list(sc.models)
-    opts = ServerOptions(repository=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), models=names)
-    with TritonServer(opts) as server:
-        control = TritonControl(server.grpc_url, server.http_url)
-        act = Actuator(control)
-        events: dict[str, list[tuple[float, int]]] = {}
-        controller, cpu0, decision_log = None, None, out / f"{arm}_decisions.jsonl"
-        try:
-            for i, name in enumerate(names):
-                start = Settings(split[i] if split else 1, 0)
-                result = act.apply(name, start)
-                if not result.ok:
-                    raise MultiBenchError(f"arm {arm}: cannot apply {start} to {name}: {result.error}")
-                events[name] = [(0.0, start.instance_count)]
-            if split is None:
-                cfg_path = out / "adaptive_controller.yaml"
-                limits = {"p99_target_ms": sc.sla_ms, "max_instances": sc.budget_instances - 1,
-                          "memory_budget_mb": sc.budget_instances * SIM_MEMORY_MB + SIM_MEMORY_MB / 2}
-                cfg_path.write_text(yaml.safe_dump({
-                    "server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
-                    "controller": {"interval_s": 1.0, "window_s": 10.0, "decision_log": str(decision_log), "gpu": "simulated"},
-                    "models": {n: {**limits, "priority": sc.priorities[n]} for n in names}}, sort_keys=False))
-                decision_log.unlink(missing_ok=True)
-                log_file = open(out / "adaptive_controller.log", "wb")
-                controller = subprocess.Popen([sys.executable, "-m", "controller", "run", "--config", str(cfg_path)],
-                                              stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                log_file.close()
-                time.sleep(CONTROLLER_LEAD_S)
-                cpu0 = _proc_cpu_s(controller.pid)
-            inputs = {n: inputs_from_config(control.config(n)) for n in names}
-            records: dict[str, list] = {}
-            wall0, t0 = time.time(), time.monotonic()
-
-            def drive(name: str) -> None:
-                records[name] = run_open_loop_sync(server.grpc_url, name, schedules[name], inputs[name],
-                                                   timeout_s=REQUEST_TIMEOUT_S)
-
-            threads = [threading.Thread(target=drive, args=(n,)) for n in names]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            extra: dict = {}
-            if controller is not None:
-                cpu1, t1 = _proc_cpu_s(controller.pid), time.monotonic()
-                stop_process(controller, timeout_s=15)
-                moves = []
-                for rec in _read_decisions(decision_log):
-                    if rec.get("action") == "applied":
-                        live = rec.get("live") or rec.get("target") or {}
-                        t_rel = round(rec["time"] - wall0, 3)
-                        events[rec["model"]].append((t_rel, live.get("instances")))
-                        moves.append({"t": t_rel, "model": rec["model"], "reason": rec["reason"],
-                                      "instances": live.get("instances"), "detail": rec.get("detail")})
-                extra["changes"] = moves
-                extra["controller_cpu_pct"] = (None if cpu0 is None or cpu1 is None
-                                               else round(100 * (cpu1 - cpu0) / (t1 - t0), 3))
-                extra["peak_instances_total"] = _peak_total(events)
-            extra["live_at_end"] = {n: dataclasses.asdict(act.read(n)[1]) for n in names}
-        finally:
-            if controller is not None and controller.poll() is None:
-                controller.kill()
-            control.close()
-    return {"records": records, "events": events, "extra": extra}
+    controller = None
+    if split is None:
+        limits = {"p99_target_ms": sc.sla_ms, "max_instances": sc.budget_instances - 1,
+                  "memory_budget_mb": sc.budget_instances * SIM_MEMORY_MB + SIM_MEMORY_MB / 2}
+        controller = ControllerSpec(settings={"interval_s": 1.0, "window_s": 10.0, "gpu": "simulated"},
+                                    models={n: {**limits, "priority": sc.priorities[n]} for n in names},
+                                    duration_s=controller_run_s(sc.duration_s))
+    initial = {n: Settings(split[i] if split else 1, 0) for i, n in enumerate(names)}
+    run = run_shared_arm(ArmSpec(arm, names, initial, schedules, out, repository=repo, controller=controller))
+    events: dict[str, list[tuple[float, int]]] = {n: [(0.0, initial[n].instance_count)] for n in names}
+    extra: dict = {}
+    if run.controller is not None:
+        moves = []
+        for c in run.applied_changes():
+            events[c["model"]].append((c["t"], c["instances"]))
+            moves.append({k: c[k] for k in ("t", "model", "reason", "instances", "detail")})
+        extra["changes"] = moves
+        extra["controller_cpu_pct"] = run.controller["cpu_pct"]
+        extra["peak_instances_total"] = _peak_total(events)
+    extra["live_at_end"] = {n: settings_dict(run.live_at_end[n]) for n in names}
+    return {"records": run.records, "events": events, "extra": extra}
 
 
 def _peak_total(events: dict[str, list[tuple[float, int]]]) -> int:
@@ -249,7 +197,7 @@ def plot(sc: Scenario, arms: dict[str, dict], bins: dict[str, dict[str, list[dic
 
 
 def bench_multi(scenario_path: Path, out: Path, seed: int = 0, repository_source: Path | None = None) -> dict:
-    from .server import DEFAULT_REPOSITORY
+    from ..server import DEFAULT_REPOSITORY
     sc = load_scenario(scenario_path)
     out.mkdir(parents=True, exist_ok=True)
     schedules = {n: poisson_schedule(t, seed=seed + i, max_requests=2_000_000) for i, (n, t) in enumerate(sc.models.items())}

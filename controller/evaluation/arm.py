@@ -1,0 +1,255 @@
+"""What every bench arm does, in one place (the one-model bench and the two-model bench both use it).
+
+`run_arm(spec)`:
+
+1. starts a fresh tritonserver with the arm's models (free ports, the arm's repository);
+2. applies each model's initial settings through the Actuator (an arm that cannot start from them
+   fails with ServerError);
+3. for an arm with a controller: writes its config to `OUT/<arm>_controller.yaml` (the server's URLs
+   and the decision log `OUT/<arm>_decisions.jsonl` filled in), starts `python -m controller run`
+   from this source tree as a separate process (output in `OUT/<arm>_controller.log`, a
+   `--duration-s` so it stops by itself), and gives it `CONTROLLER_LEAD_S`; one that exits before
+   the traffic fails the arm;
+4. replays each model's open-loop schedule (one thread per model when there are several), with an
+   optional helper running beside the traffic (the oracle's switcher);
+5. after the traffic: reads the controller's CPU, stops it (SIGTERM, then SIGKILL), reads its
+   decision log back, and reads the live settings of every model;
+6. in `finally`, whatever happened: stops the helper, kills the controller if it still runs, closes
+   the client and stops the server.
+
+Every arm is judged on the same traffic, so everything but the settings and the controller is
+the same here for all of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from ..decision_log import read_records
+from ..types import Settings
+from .loadgen import RequestRecord, make_inputs_from_config, run_open_loop_sync
+
+CONTROLLER_LEAD_S = 2.0            # the controller process starts this long before the traffic
+CONTROLLER_STOP_S = 15.0           # SIGTERM, then SIGKILL after this long
+REQUEST_TIMEOUT_S = 10.0
+
+
+class Helper(Protocol):
+    """Something that runs beside an arm's traffic (started by its factory) and reports change events."""
+
+    def stop(self) -> list[dict]: ...
+
+
+@dataclass(frozen=True)
+class ControllerSpec:
+    """The controller of an arm: its config's `controller:` section (less the decision and observation
+    log paths, filled in here) and `models:` section, and how long it may run before it stops by itself."""
+
+    settings: Mapping
+    models: Mapping
+    duration_s: float
+    observation_log: bool = False
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    name: str                                   # names the files under `out`
+    models: Sequence[str]
+    initial: Mapping[str, Settings]             # applied to each model before the traffic
+    schedules: Mapping[str, np.ndarray]         # each model's request offsets (s) from the traffic start
+    out: Path
+    repository: Path | None = None              # None: the shipped model repository
+    controller: ControllerSpec | None = None
+    helper: Callable[[object, float], Helper] | None = None   # (server, traffic t0 monotonic) -> a started helper
+
+
+@dataclass
+class ArmRun:
+    records: dict[str, list[RequestRecord]]
+    wall0: float                                # time.time() at the traffic start
+    traffic_s: float
+    server_start_s: float
+    live_at_end: dict[str, Settings | None]
+    helper_events: list[dict] = field(default_factory=list)
+    controller_doc: dict | None = None          # the config the controller ran with
+    controller: dict | None = None              # cpu_pct, cpu_pct_incl_startup, cpu_s, exit_code
+    decisions: list[dict] = field(default_factory=list)
+    observation_log: Path | None = None
+
+    def applied_changes(self) -> list[dict]:
+        """The controller's applied changes, `t` in seconds from the traffic start (decision log records)."""
+        out = []
+        for rec in self.decisions:
+            if rec.get("action") != "applied":
+                continue
+            live = rec.get("live") or rec.get("target") or {}
+            out.append({"t": round(rec["time"] - self.wall0, 3), "model": rec.get("model"),
+                        "instances": live.get("instances"), "delay_us": live.get("delay_us"),
+                        "kind": rec.get("kind"), "reason": rec.get("reason"), "apply_s": rec.get("apply_s"),
+                        "detail": rec.get("detail")})
+        return out
+
+
+def controller_run_s(traffic_s: float) -> float:
+    """The controller's --duration-s: it outlives the lead, the traffic and its last timeouts, then stops by
+    itself if nobody stops it. Example: 180 s of traffic -> 2 + 180 + 2 * 10 + 30 = 232 s."""
+    return CONTROLLER_LEAD_S + traffic_s + 2 * REQUEST_TIMEOUT_S + 30
+
+
+def log(msg: str) -> None:
+    """A harness progress line, on stderr."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of a process in seconds, from /proc/<pid>/stat (None if gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # fields 14, 15 of stat
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def start_controller(spec: ControllerSpec, server, out: Path, arm: str) -> tuple[subprocess.Popen, dict, Path, Path | None]:
+    """Write the arm's controller config and start `python -m controller run` from this source tree.
+
+    Returns (process, the config document, decision log path, observation log path or None).
+    """
+    import yaml
+
+    from ..server import PACKAGE_ROOT
+
+    out = out.resolve()       # the controller runs in the source root: give it absolute paths
+    decision_log = out / f"{arm}_decisions.jsonl"
+    observation_log = out / f"{arm}_observations.jsonl" if spec.observation_log else None
+    for log in (decision_log, observation_log):
+        if log is not None:
+            log.unlink(missing_ok=True)
+    logs = {"decision_log": str(decision_log)}
+    if observation_log is not None:
+        logs["observation_log"] = str(observation_log)
+    doc = {"server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
+           "controller": {**spec.settings, **logs},
+           "models": {name: dict(limits) for name, limits in spec.models.items()}}
+    cfg_path = out / f"{arm}_controller.yaml"
+    cfg_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with open(out / f"{arm}_controller.log", "wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "controller", "run", "--config", str(cfg_path),
+                                 "--duration-s", str(spec.duration_s)],
+                                cwd=PACKAGE_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    return proc, doc, decision_log, observation_log
+
+
+def _drive(url: str, schedules: Mapping[str, np.ndarray], inputs: Mapping) -> dict[str, list[RequestRecord]]:
+    """Each model's schedule at once (a thread per model beyond the first); the first error is raised."""
+    records: dict[str, list[RequestRecord]] = {}
+    errors: list[BaseException] = []
+
+    def one(name: str) -> None:
+        try:
+            records[name] = run_open_loop_sync(url, name, schedules[name], inputs[name], protocol="grpc",
+                                               timeout_s=REQUEST_TIMEOUT_S)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread below
+            errors.append(e)
+
+    names = list(schedules)
+    threads = [threading.Thread(target=one, args=(n,), name=f"traffic-{n}") for n in names[1:]]
+    for t in threads:
+        t.start()
+    one(names[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return records
+
+
+def run_arm(spec: ArmSpec) -> ArmRun:
+    """Run one arm on its own fresh server (see the module doc)."""
+    from ..actuation import Actuator, TritonControl
+    from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            models=list(spec.models), repository=spec.repository or DEFAULT_REPOSITORY)
+    t_start = time.monotonic()
+    with TritonServer(options) as server:
+        server_start_s = time.monotonic() - t_start
+        control = TritonControl(server.grpc_url, server.http_url)
+        actuator = Actuator(control)
+        controller = helper = None
+        try:
+            for name in spec.models:
+                result = actuator.apply(name, spec.initial[name])
+                if not result.ok:
+                    raise ServerError(f"arm {spec.name}: cannot apply the initial config {spec.initial[name]} "
+                                      f"to {name}: {result.error}")
+            inputs = {name: make_inputs_from_config(server.http_url, name) for name in spec.models}
+            run_doc = None
+            if spec.controller is not None:
+                controller, run_doc, decision_log, observation_log = start_controller(
+                    spec.controller, server, spec.out, spec.name)
+                spawned = time.monotonic()
+                time.sleep(CONTROLLER_LEAD_S)
+                if controller.poll() is not None:
+                    raise ServerError(f"the controller exited with code {controller.returncode} before the traffic; "
+                                      f"see {spec.out / f'{spec.name}_controller.log'}")
+                cpu_start = proc_cpu_s(controller.pid)
+            wall0, t0 = time.time(), time.monotonic()
+            if spec.helper is not None:
+                helper = spec.helper(server, t0)
+            records = _drive(server.grpc_url, {n: spec.schedules[n] for n in spec.models}, inputs)
+            traffic_s = time.monotonic() - t0
+            run = ArmRun(records, wall0, round(traffic_s, 2), round(server_start_s, 2), live_at_end={})
+            if helper is not None:
+                run.helper_events, helper = helper.stop(), None
+            if controller is not None:
+                cpu_end, t_end = proc_cpu_s(controller.pid), time.monotonic()
+                stop_process(controller, timeout_s=CONTROLLER_STOP_S)
+                run.controller_doc, run.observation_log = run_doc, observation_log
+                run.decisions = read_records(decision_log)
+                run.controller = {
+                    "cpu_pct": (None if cpu_start is None or cpu_end is None else
+                                round(100.0 * (cpu_end - cpu_start) / (t_end - t0), 3)),
+                    "cpu_pct_incl_startup": None if cpu_end is None else round(100.0 * cpu_end / (t_end - spawned), 3),
+                    "cpu_s": cpu_end, "exit_code": controller.returncode}
+            for name in spec.models:
+                try:
+                    run.live_at_end[name] = actuator.read(name)[1]
+                except Exception:  # noqa: BLE001 - informational only
+                    run.live_at_end[name] = None
+            return run
+        finally:
+            if helper is not None:
+                helper.stop()
+            if controller is not None and controller.poll() is None:
+                controller.kill()
+                controller.wait(timeout=10)
+            control.close()
+
+
+def settings_dict(settings: Settings | None) -> dict | None:
+    return None if settings is None else dataclasses.asdict(settings)
