@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Callable
 
 from . import capacity as capacity_mod
-from . import policy
+from . import groups, modelkind, policy
 from .arbiter import ModelView, arbitrate
-from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
+from .actuation import Actuator, ApplyResult, TritonControl, settings_of
 from .config import ControllerConfig, ModelLimits
 from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
 from .observer import ModelObserver, TraceFeed
@@ -82,6 +82,8 @@ class ManagedModel:
     capacity_t: float | None = None                     # ... as of then (kept through short gaps in the data)
     mark: OwnerMark | None = None                        # the owner mark in its live config (ownership.py)
     owner: Verdict | None = None                         # what that mark means for this controller
+    kind: "modelkind.ModelKind | None" = None            # what the live config says the model is (modelkind.py)
+    per_device: dict[str, int] = field(default_factory=dict)   # live instances per device (groups.py)
 
     @property
     def last_obs(self) -> Observation | None:
@@ -219,6 +221,7 @@ class Controller:
         self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
         self._lock = threading.Lock()
         self._published: tuple[float, dict] | None = None   # (controller time, snapshot), see status_snapshot
+        self._last_devices: tuple[GpuObservation, ...] = ()
 
     # -- set-up -------------------------------------------------------------------------------
     def set_status_url(self, url: str | None) -> None:
@@ -264,8 +267,7 @@ class Controller:
             mm.reachable = False
             return False
         live = settings_of(cfg)
-        if not has_dynamic_batching(cfg) and mm.limits.max_delay_us:
-            mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
+        self._adopt_kind(mm, cfg)
         mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
         mm.mark = mark_of(cfg)
         adopted = None
@@ -282,6 +284,29 @@ class Controller:
         mm.current = live
         mm.reachable = True
         return True
+
+    def _adopt_kind(self, mm: ManagedModel, cfg: dict) -> None:
+        """What the model is and which knobs apply (modelkind.py), logged once and again if it changes."""
+        kind = modelkind.classify(cfg)
+        if kind != mm.kind:
+            log.info("%s", modelkind.start_line(mm.name, kind))
+            mm.kind = kind
+        if not kind.delay and mm.limits.max_delay_us:
+            mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
+        mm.per_device = groups.instances_per_device(cfg)
+        floor = groups.min_total(cfg)
+        if kind.instances and mm.limits.min_instances < floor:
+            # why: the controller keeps one instance on each device the user's instance groups name
+            log.info("%s: instance groups on %d devices (%s): at least %d instances", mm.name, floor,
+                     ", ".join(mm.per_device), floor)
+            mm.limits = dataclasses.replace(mm.limits, min_instances=floor, max_instances=max(mm.limits.max_instances, floor))
+
+    def _prefer(self, mm: ManagedModel) -> tuple[str, ...]:
+        """For a model on several devices: where to add instances first (groups.preference), from the readings."""
+        if len(mm.per_device) < 2:
+            return ()
+        util = {groups.gpu_key(g.index): g.utilization_pct for g in self._last_devices}
+        return tuple(groups.preference(mm.per_device, util))
 
     # -- one tick -------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -307,7 +332,7 @@ class Controller:
         self.traces.start()
         scraped = self.scraper.metrics()
         stats = self.scraper.all_stats() if scraped is not None else None
-        devices = self._devices(scraped)
+        devices = self._last_devices = self._devices(scraped)
         traffic = any(mm.last_obs is not None and mm.last_obs.valid and mm.last_obs.arrival_rps > 0
                       for mm in self.models.values())
         traced = self.traces.poll(now, traffic)
@@ -366,6 +391,10 @@ class Controller:
             # the simulated device says what each instance holds; a real GPU's is learned from step deltas
             per = counters.custom.get(SIM_MEMORY_METRIC, 0) / max(1, mm.current.instance_count)
             mm.state = policy.with_reported_instance_memory(mm.state, per)
+        if mm.kind is not None and not mm.kind.managed:
+            # an ensemble or a decoupled model: observed and shown, never changed (modelkind.py says why)
+            self._record(mm, Decision(mm.current, mm.kind.hold_reason, valid=False, detail=mm.kind.knobs()), obs, now, "hold")
+            return None
         if self.config.loop.owner_mark and not self._may_act(mm, obs, now):
             return None
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size)
@@ -466,10 +495,10 @@ class Controller:
                                                            mark=self._mark())
         if self._workers is None:
             self._workers = ThreadPoolExecutor(max_workers=max(2, len(self.models)), thread_name_prefix="reload")
-        target = decision.target
+        target, prefer = decision.target, self._prefer(mm)
 
         def work():
-            result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target)
+            result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target, prefer)
             return result, self.clock()
 
         mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full, now)
@@ -654,7 +683,7 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
     """One model's part of the status snapshot (times still on the controller's clock: `*_t`)."""
     d, obs, p = mm.last_decision, mm.last_obs, mm.pending
     return {
-        "instances": None if mm.current is None else mm.current.instance_count,
+        "instances": None if mm.current is None or (mm.kind is not None and mm.kind.ensemble) else mm.current.instance_count,
         "delay_us": None if mm.current is None else mm.current.max_queue_delay_us,
         "reachable": mm.reachable,
         "p99_target_ms": mm.limits.p99_target_ms,
@@ -675,6 +704,8 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
         "recent": [{k: r.get(k) for k in ("time", "action", "reason", "detail", "current", "target", "kind", "error")}
                    for r in mm.history[-5:]],
         "capacity": None if mm.capacity is None else mm.capacity.as_dict(),   # the fleet scaler's figure
+        "knobs": None if mm.kind is None else mm.kind.describe(),
+        "per_device": dict(mm.per_device) if len(mm.per_device) > 1 else None,
     }
 
 
