@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
+import time
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any, Protocol, Union, runtime_checkable
@@ -66,6 +68,8 @@ class FakeGpuSource:
 
 
 SIM_MEMORY_METRIC = "sim_device_memory_bytes"
+SIM_GPU_MEMORY = re.compile(r"sim_gpu(\d+)_memory_bytes")
+SIM_GPU_BUSY = re.compile(r"sim_gpu(\d+)_busy_us(?:_total)?")
 
 
 class SimulatedDeviceSource:
@@ -76,14 +80,40 @@ class SimulatedDeviceSource:
     (`{model: counters with a .custom dict}`, or None when the scrape failed). Only models that
     report simulated memory live on it (`hosts`). Example: two models reporting 128 MiB and 64 MiB
     on a 2048 MiB device read as one device with 192 MiB used of 2048 MiB.
+
+    Several SIMULATED GPUs: models whose instances sit on simulated GPU k (a `*_simgpu<k>` instance group,
+    see model_repository/sim_accel) also report `sim_gpu<k>_memory_bytes` and `sim_gpu<k>_busy_us_total`;
+    then each k is a device of its own (index k, `total_mb` each), its utilisation the slot time per second
+    between two feeds (100% = one slot busy all the time, capped at 100).
     """
 
-    def __init__(self, total_mb: float) -> None:
+    def __init__(self, total_mb: float, clock=time.monotonic) -> None:
         self.total_bytes = int(total_mb * 2**20)
         self._scraped: Any = None
+        self._clock = clock
+        self._busy: tuple[float, dict[int, float]] | None = None     # (time, slot-us per simulated GPU) at the last feed
+        self._util: dict[int, float] = {}
 
     def feed(self, scraped: Any) -> None:
         self._scraped = scraped
+        if scraped is None:
+            return
+        now, busy = self._clock(), self._per_gpu(scraped, SIM_GPU_BUSY)
+        if self._busy is not None and now > self._busy[0]:
+            t0, before = self._busy
+            self._util = {k: min(100.0, max(0.0, (v - before[k]) / 1e6 / (now - t0) * 100.0))
+                          for k, v in busy.items() if k in before and v >= before[k]}
+        self._busy = (now, busy)
+
+    @staticmethod
+    def _per_gpu(scraped: Any, pattern: re.Pattern) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for c in scraped.values():
+            for key, value in getattr(c, "custom", {}).items():
+                m = pattern.fullmatch(key)
+                if m:
+                    out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + value
+        return out
 
     def hosts(self, counters: Any) -> bool:
         return counters is not None and SIM_MEMORY_METRIC in getattr(counters, "custom", {})
@@ -91,6 +121,10 @@ class SimulatedDeviceSource:
     def read(self) -> tuple[GpuObservation, ...] | None:
         if self._scraped is None:
             return None
+        per_gpu = self._per_gpu(self._scraped, SIM_GPU_MEMORY)
+        if per_gpu:
+            return tuple(GpuObservation(index=k, utilization_pct=self._util.get(k), memory_used_bytes=int(per_gpu[k]),
+                                        memory_total_bytes=self.total_bytes) for k in sorted(per_gpu))
         used = [c.custom[SIM_MEMORY_METRIC] for c in self._scraped.values() if self.hosts(c)]
         if not used:
             return ()

@@ -15,6 +15,9 @@ Triton's semantics (model_config_utils.cc, NormalizeInstanceGroup; docs "Instanc
 A *device* here is a key: `"gpu<k>"`, `"cpu"`, `"model"` (KIND_MODEL), or `"gpu"` for a GPU group whose
 GPUs are not known (a file config read without `visible_gpus`; never a live config).
 
+SIMULATED GPUs (machines without a GPU, model_repository/sim_accel): a KIND_CPU group named
+`<anything>_simgpu<k>` runs its instances on simulated GPU k, so it is read as a group on `gpu<k>`.
+
 A change of the total adds or removes one instance at a time on one device, chosen by `prefer` (see
 `with_total`), and keeps everything else the user wrote: the kinds, which GPUs the model is on, every other
 field of each group, passive groups. Adding on one GPU of a group that spans several GPUs splits it: the
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 KIND_GPU, KIND_CPU, KIND_MODEL, KIND_AUTO = "KIND_GPU", "KIND_CPU", "KIND_MODEL", "KIND_AUTO"
 SPLIT_SUFFIX = "_gpu"
+SIM_GPU_GROUP = re.compile(r".*_simgpu(\d+)")
 
 
 class GroupError(ValueError):
@@ -88,6 +92,8 @@ def view(config: dict, visible_gpus: Sequence[int] | None = None) -> list[GroupV
         if kind == KIND_GPU:
             gpus = _gpus(g, visible_gpus)
             devices = ("gpu",) if gpus is None else tuple(gpu_key(k) for k in gpus)
+        elif kind == KIND_CPU and SIM_GPU_GROUP.fullmatch(str(g.get("name") or "")):
+            devices = (gpu_key(int(SIM_GPU_GROUP.fullmatch(str(g["name"])).group(1))),)
         elif kind == KIND_MODEL:
             devices = ("model",)
         elif kind == KIND_CPU:

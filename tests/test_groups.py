@@ -209,3 +209,14 @@ def test_with_settings_does_not_touch_the_input():
     before = copy.deepcopy(c)
     with_settings(c, Settings(5, 100))
     assert c == before
+
+
+# ---- SIMULATED GPUs (model_repository/sim_accel: a KIND_CPU group named *_simgpu<k>) ----------------------
+
+def test_simulated_gpu_groups_read_as_gpus():
+    c = cfg({"name": "sim_simgpu0", "count": 1, "kind": "KIND_CPU"}, {"name": "sim_simgpu1", "count": 2, "kind": "KIND_CPU"})
+    assert G.instances_per_device(c) == {"gpu0": 1, "gpu1": 2}
+    new = G.with_total(c, 4, prefer=["gpu0"])
+    assert new["instance_group"] == [{"name": "sim_simgpu0", "count": 2, "kind": "KIND_CPU"},
+                                     {"name": "sim_simgpu1", "count": 2, "kind": "KIND_CPU"}]
+    assert G.min_total(c) == 2
