@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import capacity as capacity_mod
-from . import groups, modelkind, policy
+from . import ensemble, groups, modelkind, policy
 from .arbiter import ModelView, arbitrate
 from .actuation import Actuator, ApplyResult, TritonControl, settings_of
 from .config import ControllerConfig, ModelLimits
@@ -84,6 +84,7 @@ class ManagedModel:
     owner: Verdict | None = None                         # what that mark means for this controller
     kind: "modelkind.ModelKind | None" = None            # what the live config says the model is (modelkind.py)
     per_device: dict[str, int] = field(default_factory=dict)   # live instances per device (groups.py)
+    target_from: "ensemble.StepTarget | None" = None    # set while an ensemble's target is passed to it
 
     @property
     def last_obs(self) -> Observation | None:
@@ -301,6 +302,25 @@ class Controller:
                      ", ".join(mm.per_device), floor)
             mm.limits = dataclasses.replace(mm.limits, min_instances=floor, max_instances=max(mm.limits.max_instances, floor))
 
+    def _pass_ensemble_targets(self, now: float) -> None:
+        """An ensemble's p99 target to the step that holds its latency (ensemble.py); its steps are managed too."""
+        views = [ensemble.EnsembleView(mm.name, mm.limits.p99_target_ms, mm.last_obs, mm.kind.steps)
+                 for mm in self.models.values() if mm.kind is not None and mm.kind.ensemble]
+        for step in sorted({s for v in views for s in v.steps} - set(self.models)):
+            log.info("%s: managed as a step of ensemble %s", step, ", ".join(v.name for v in views if step in v.steps))
+            self.add_model(step, now)
+        steps = {s: self.models[s] for v in views for s in v.steps
+                 if self.models[s].kind is None or self.models[s].kind.managed}
+        own = {s: self.config.limits_for(s).p99_target_ms for s in steps}
+        current = {s: mm.target_from or ensemble.StepTarget(s, mm.limits.p99_target_ms) for s, mm in steps.items()}
+        planned = ensemble.plan(views, {s: mm.last_obs for s, mm in steps.items()}, own, current)
+        for s, t in planned.items():
+            mm = steps[s]
+            if t.target_ms != mm.limits.p99_target_ms:
+                log.info("%s: p99 target %g -> %g ms (%s)", s, mm.limits.p99_target_ms, t.target_ms, t.why)
+                mm.limits = dataclasses.replace(mm.limits, p99_target_ms=t.target_ms)
+            mm.target_from = t if t.ensemble else None
+
     def _prefer(self, mm: ManagedModel) -> tuple[str, ...]:
         """For a model on several devices: where to add instances first (groups.preference), from the readings."""
         if len(mm.per_device) < 2:
@@ -329,6 +349,7 @@ class Controller:
                 return
         self._tick_error = None
         self._collect_finished()
+        self._pass_ensemble_targets(now)
         self.traces.start()
         scraped = self.scraper.metrics()
         stats = self.scraper.all_stats() if scraped is not None else None
@@ -705,6 +726,7 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
                    for r in mm.history[-5:]],
         "capacity": None if mm.capacity is None else mm.capacity.as_dict(),   # the fleet scaler's figure
         "knobs": None if mm.kind is None else mm.kind.describe(),
+        "target_from": None if mm.target_from is None else mm.target_from.why,
         "per_device": dict(mm.per_device) if len(mm.per_device) > 1 else None,
     }
 

@@ -5,8 +5,8 @@
 
 * **ensemble** (`platform: "ensemble"`): no instances of its own (its steps run in their own models) and
   no batching delay; loading it with an instance count is refused by the server. Never reloaded: not
-  managed. Its steps (`ensemble_scheduling.step[].model_name`) are models of their own and are managed
-  as such when they are in the managed set.
+  managed. Its steps (`ensemble_scheduling.step[].model_name`) are managed, and its p99 target is passed
+  to the step that holds its latency (controller/ensemble.py).
 * **decoupled** (`model_transaction_policy.decoupled: true`, streaming): **not managed**. Every latency
   figure the controller has (request traces REQUEST_START -> REQUEST_END, the server's queue and compute
   counters, the summary quantile) measures a request until its *last* response, while a streaming client
@@ -83,7 +83,7 @@ class ModelKind:
         """Which knobs, and why, in a few words: the start-up line and `status` show it."""
         if self.ensemble:
             return ("none: an ensemble has no instances of its own and is never reloaded "
-                    "(its steps are managed as models of their own)")
+                    "(its target goes to the step that holds its latency)")
         if self.decoupled:
             return ("none: decoupled (streaming); the latency figures measure a request until its last response, "
                     "not the time to first response, so it is observed but not changed")

@@ -199,3 +199,36 @@ def test_a_bls_model_is_managed_and_serves_without_failures(repo_server, tmp_pat
     records = _records(tmp_path / "decisions.jsonl")
     assert not [r for r in records if r["action"] == "failed"], records
     assert records and all(r["model"] == "bls" for r in records)
+
+
+def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog):
+    """Only the ensemble has a target (25 ms); its step is not named and its own (default) target is loose
+    (1 s). The controller manages the step as part of the ensemble, on the ensemble's target."""
+    import dataclasses
+    import logging
+
+    import numpy as np
+    from controller.actuation import Actuator
+    from controller.types import Settings
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    assert Actuator(TritonControl(repo_server.grpc_url, repo_server.http_url)).apply("sim2", Settings(2, 0)).ok
+    cfg = _config(repo_server, tmp_path, {"ens": dataclasses.replace(_limits(), p99_target_ms=25.0)})
+    cfg = dataclasses.replace(cfg, defaults=dataclasses.replace(_limits(), p99_target_ms=1000.0))
+    results: list = []
+    with running(cfg) as controller:
+        _load(repo_server, "ens", rate_rps=200, seconds=25, out=results, seed=11)
+        step = controller.models.get("sim2")
+        assert step is not None and step.target_from is not None and step.target_from.ensemble == "ens"
+        assert step.limits.p99_target_ms <= 25.0
+    assert results and all(r.ok for r in results), [r for r in results if not r.ok][:3]
+    assert any(m.startswith("sim2: managed as a step of ensemble ens") for m in caplog.messages)
+    records = _records(tmp_path / "decisions.jsonl")
+    assert not [r for r in records if r["model"] == "ens" and r["action"] != "hold"]
+    ups = [r for r in records if r["model"] == "sim2" and r["action"] == "applied" and r["reason"].startswith("ScaleUp")]
+    assert ups, [(r["model"], r["action"], r["reason"]) for r in records]
+    done = np.array([r.done_s for r in results])
+    lat = np.array([1000 * r.latency_s for r in results])
+    late = lat[done >= np.median(done)]
+    print(f"ensemble client p99: first half {np.percentile(lat[done < np.median(done)], 99):.1f} ms, "
+          f"second half {np.percentile(late, 99):.1f} ms (target 25 ms); step at "
+          f"{controller.models['sim2'].current.instance_count} instances")
