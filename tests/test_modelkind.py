@@ -144,3 +144,13 @@ def test_a_model_on_two_gpus_grows_on_the_idle_one():
     ctl.wait_for_pending()
     assert control.configs["g"]["instance_group"] == two["instance_group"]
     ctl.close()
+
+
+def test_status_shows_what_the_model_is_its_devices_and_a_passed_target():
+    from controller.status import format_model
+    m = {"state": "READY", "instances": 3, "delay_us": 0, "p99_target_ms": 22.5, "reason": "HoldSteady",
+         "knobs": "python, batching up to 4, dynamic batcher; knobs: instances and batching delay",
+         "per_device": {"gpu0": 2, "gpu1": 1}, "target_from": "ens p99 target 25 ms less 2.5 ms ..."}
+    text = "\n".join(format_model("sim2", m))
+    assert "model" in text and "knobs: instances and batching delay" in text
+    assert "gpu0 2, gpu1 1" in text and "ens p99 target 25 ms" in text
