@@ -3,7 +3,8 @@
 `Actuator.apply(model, target)`:
   1. GET the live config (a config override is parsed as a complete ModelConfig, so we always
      start from the whole live config, never from the file);
-  2. change `instance_group[0].count` and/or `dynamic_batching.max_queue_delay_microseconds`;
+  2. change the instance count (groups.with_total: the groups the user wrote are kept; with one group its
+     `count`) and/or `dynamic_batching.max_queue_delay_microseconds`;
   3. load it with the override (gRPC by default: HTTP loads block HTTP inference workers);
   4. wait until the model is READY and read the config back to confirm.
 On failure the server keeps serving the old model; we read back what is live and report it.
@@ -19,7 +20,10 @@ import logging
 import re
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from . import groups
 
 from .ownership import OwnerMark, mark_of, with_mark
 from .types import Settings
@@ -41,9 +45,10 @@ class ApplyResult:
 
 
 def settings_of(config: dict) -> Settings:
-    """The two knobs as they stand in a ModelConfig JSON (total count over instance groups)."""
-    groups = config.get("instance_group") or [{"count": 1}]
-    count = sum(int(g.get("count", 1)) for g in groups)
+    """The two knobs as they stand in a ModelConfig JSON: the instances that serve requests, over every
+    instance group and device (a KIND_GPU group's count is per listed GPU; passive groups left out; see
+    groups.py), and the dynamic batcher's delay."""
+    count = groups.total_instances(config)
     batching = config.get("dynamic_batching")
     delay = int((batching or {}).get("max_queue_delay_microseconds", 0) or 0)
     return Settings(instance_count=count, max_queue_delay_us=delay)
@@ -53,16 +58,14 @@ def has_dynamic_batching(config: dict) -> bool:
     return "dynamic_batching" in config
 
 
-def with_settings(config: dict, target: Settings) -> dict:
-    """A copy of `config` running `target`. Extra or missing instances go to/from the first group."""
-    new = copy.deepcopy(config)
-    groups = new.get("instance_group") or [{"count": 1}]
-    new["instance_group"] = groups
-    others = sum(int(g.get("count", 1)) for g in groups[1:])
-    first = target.instance_count - others
-    if first < 1:
-        raise ActuationError(f"cannot run {target.instance_count} instances: the other instance groups already have {others}")
-    groups[0]["count"] = first
+def with_settings(config: dict, target: Settings, prefer: Sequence[str] = ()) -> dict:
+    """A copy of `config` running `target`. With one instance group its count becomes the target; with
+    several, instances are added on (removed from) the devices `prefer` names first (groups.with_total),
+    keeping the groups the user wrote."""
+    try:
+        new = groups.with_total(config, target.instance_count, prefer)
+    except groups.GroupError as e:
+        raise ActuationError(str(e)) from e
     if has_dynamic_batching(new):
         new["dynamic_batching"]["max_queue_delay_microseconds"] = str(target.max_queue_delay_us)
     elif target.max_queue_delay_us:
@@ -146,7 +149,8 @@ class Actuator:
         cfg = self.control.config(model)
         return cfg, settings_of(cfg)
 
-    def apply(self, model: str, target: Settings) -> ApplyResult:
+    def apply(self, model: str, target: Settings, prefer: Sequence[str] = ()) -> ApplyResult:
+        """`prefer`: the devices to add instances on first (groups.with_total), for a model on several."""
         t0 = time.monotonic()
         try:
             live_cfg, live = self.read(model)
@@ -156,7 +160,7 @@ class Actuator:
             return ApplyResult(True, "none", live, time.monotonic() - t0)
         kind = "in_place" if live.max_queue_delay_us == target.max_queue_delay_us else "full_reload"
         try:
-            new_cfg = with_settings(live_cfg, target)    # keeps the live parameters, an owner mark among them
+            new_cfg = with_settings(live_cfg, target, prefer)    # keeps the live parameters, an owner mark among them
             self.control.load(model, new_cfg)
             self._wait_ready(model)
             _, after = self.read(model)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
+import time
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any, Protocol, Union, runtime_checkable
@@ -67,6 +69,8 @@ class FakeGpuSource:
 
 SIM_MEMORY_METRIC = "sim_device_memory_bytes"
 SIM_BUSY_METRIC = "sim_device_busy_us_total"   # slot-holding time, summed over the device's instances
+SIM_GPU_MEMORY = re.compile(r"sim_gpu(\d+)_memory_bytes")
+SIM_GPU_BUSY = re.compile(r"sim_gpu(\d+)_busy_us(?:_total)?")
 
 
 class SimulatedDeviceSource:
@@ -79,25 +83,45 @@ class SimulatedDeviceSource:
     on a 2048 MiB device read as one device with 192 MiB used of 2048 MiB.
 
     Its utilisation is the share of its slots' time in use between two feeds (the models' busy
-    counters, `sim_device_busy_us_total`, over elapsed time x `slots`): 1.5 s of slot time in 1 s on
-    a 2-slot device is 75%. A counter that went down (an instance unloaded) gives no reading that tick.
+    counters over elapsed time x `slots`): 1.5 s of slot time in 1 s on a 2-slot device is 75%. A
+    counter that went down (an instance unloaded) gives no reading that tick.
+
+    Several SIMULATED GPUs: models whose instances sit on simulated GPU k (a `*_simgpu<k>` instance group,
+    see model_repository/sim_accel) also report `sim_gpu<k>_memory_bytes` and `sim_gpu<k>_busy_us_total`;
+    then each k is a device of its own (index k, `total_mb` each), with its own utilisation.
     """
 
-    def __init__(self, total_mb: float) -> None:
+    def __init__(self, total_mb: float, clock=time.monotonic) -> None:
         self.total_bytes = int(total_mb * 2**20)
         self._scraped: Any = None
-        self._busy: tuple[float, float] | None = None     # (time, busy us summed) at the last feed
-        self._util: float | None = None
+        self._clock = clock
+        self._busy: tuple[float, dict[int, float]] | None = None     # (time, slot-us per device) at the last feed
+        self._util: dict[int, float] = {}
 
     def feed(self, scraped: Any, now: float | None = None, slots: int | None = None) -> None:
         self._scraped = scraped
-        self._util = None
-        if scraped is None or now is None:
+        self._util = {}
+        if scraped is None:
             return
-        busy = float(sum(c.custom.get(SIM_BUSY_METRIC, 0.0) for c in scraped.values() if self.hosts(c)))
-        before, self._busy = self._busy, (now, busy)
-        if before is not None and slots and now > before[0] and busy >= before[1]:
-            self._util = min(100.0, 100.0 * (busy - before[1]) / 1e6 / (now - before[0]) / slots)
+        now = self._clock() if now is None else now
+        busy = self._per_gpu(scraped, SIM_GPU_BUSY) or {
+            0: float(sum(c.custom.get(SIM_BUSY_METRIC, 0.0) for c in scraped.values() if self.hosts(c)))}
+        if self._busy is not None and now > self._busy[0]:
+            t0, before = self._busy
+            per_s = 1e6 * (now - t0) * max(1, slots or 1)
+            self._util = {k: min(100.0, 100.0 * (v - before[k]) / per_s)
+                          for k, v in busy.items() if k in before and v >= before[k]}
+        self._busy = (now, busy)
+
+    @staticmethod
+    def _per_gpu(scraped: Any, pattern: re.Pattern) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for c in scraped.values():
+            for key, value in getattr(c, "custom", {}).items():
+                m = pattern.fullmatch(key)
+                if m:
+                    out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + value
+        return out
 
     def hosts(self, counters: Any) -> bool:
         return counters is not None and SIM_MEMORY_METRIC in getattr(counters, "custom", {})
@@ -105,10 +129,14 @@ class SimulatedDeviceSource:
     def read(self) -> tuple[GpuObservation, ...] | None:
         if self._scraped is None:
             return None
+        per_gpu = self._per_gpu(self._scraped, SIM_GPU_MEMORY)
+        if per_gpu:
+            return tuple(GpuObservation(index=k, utilization_pct=self._util.get(k), memory_used_bytes=int(per_gpu[k]),
+                                        memory_total_bytes=self.total_bytes) for k in sorted(per_gpu))
         used = [c.custom[SIM_MEMORY_METRIC] for c in self._scraped.values() if self.hosts(c)]
         if not used:
             return ()
-        return (GpuObservation(index=0, utilization_pct=self._util, memory_used_bytes=int(sum(used)),
+        return (GpuObservation(index=0, utilization_pct=self._util.get(0), memory_used_bytes=int(sum(used)),
                                memory_total_bytes=self.total_bytes),)
 
 

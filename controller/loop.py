@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import capacity as capacity_mod
-from . import planner, policy
+from . import ensemble, groups, modelkind, planner, policy
 from .arbiter import ModelView, arbitrate
-from .actuation import Actuator, ApplyResult, TritonControl, has_dynamic_batching, settings_of
+from .actuation import Actuator, ApplyResult, TritonControl, settings_of
 from .config import ControllerConfig, ModelLimits
 from .decision_log import JsonLog
 from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
@@ -86,6 +86,9 @@ class ManagedModel:
     owner: Verdict | None = None                         # what that mark means for this controller
     predicted: dict | None = None                        # the planner's capacity of the live config and n +- 1 ...
     predicted_t: float = -1e18                           # ... computed then (every PREDICTED_EVERY_S)
+    kind: "modelkind.ModelKind | None" = None            # what the live config says the model is (modelkind.py)
+    per_device: dict[str, int] = field(default_factory=dict)   # live instances per device (groups.py)
+    target_from: "ensemble.StepTarget | None" = None    # set while an ensemble's target is passed to it
 
     @property
     def last_obs(self) -> Observation | None:
@@ -175,6 +178,7 @@ class Controller:
         self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
         self._lock = threading.Lock()
         self._published: tuple[float, dict] | None = None   # (controller time, snapshot), see status_snapshot
+        self._last_devices: tuple[GpuObservation, ...] = ()
 
     # -- set-up -------------------------------------------------------------------------------
     def set_status_url(self, url: str | None) -> None:
@@ -220,8 +224,7 @@ class Controller:
             mm.reachable = False
             return False
         live = settings_of(cfg)
-        if not has_dynamic_batching(cfg) and mm.limits.max_delay_us:
-            mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
+        self._adopt_kind(mm, cfg)
         mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
         mm.sim_slots = _int_parameter(cfg, "device_parallelism")   # a simulated device's slots (sim_accel)
         mm.mark = mark_of(cfg)
@@ -239,6 +242,48 @@ class Controller:
         mm.current = live
         mm.reachable = True
         return True
+
+    def _adopt_kind(self, mm: ManagedModel, cfg: dict) -> None:
+        """What the model is and which knobs apply (modelkind.py), logged once and again if it changes."""
+        kind = modelkind.classify(cfg)
+        if kind != mm.kind:
+            log.info("%s", modelkind.start_line(mm.name, kind))
+            mm.kind = kind
+        if not kind.delay and mm.limits.max_delay_us:
+            mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
+        mm.per_device = groups.instances_per_device(cfg)
+        floor = groups.min_total(cfg)
+        if kind.instances and mm.limits.min_instances < floor:
+            # why: the controller keeps one instance on each device the user's instance groups name
+            log.info("%s: instance groups on %d devices (%s): at least %d instances", mm.name, floor,
+                     ", ".join(mm.per_device), floor)
+            mm.limits = dataclasses.replace(mm.limits, min_instances=floor, max_instances=max(mm.limits.max_instances, floor))
+
+    def _pass_ensemble_targets(self, now: float) -> None:
+        """An ensemble's p99 target to the step that holds its latency (ensemble.py); its steps are managed too."""
+        views = [ensemble.EnsembleView(mm.name, mm.limits.p99_target_ms, mm.last_obs, mm.kind.steps)
+                 for mm in self.models.values() if mm.kind is not None and mm.kind.ensemble]
+        for step in sorted({s for v in views for s in v.steps} - set(self.models)):
+            log.info("%s: managed as a step of ensemble %s", step, ", ".join(v.name for v in views if step in v.steps))
+            self.add_model(step, now)
+        steps = {s: self.models[s] for v in views for s in v.steps
+                 if self.models[s].kind is None or self.models[s].kind.managed}
+        own = {s: self.config.limits_for(s).p99_target_ms for s in steps}
+        current = {s: mm.target_from or ensemble.StepTarget(s, mm.limits.p99_target_ms) for s, mm in steps.items()}
+        planned = ensemble.plan(views, {s: mm.last_obs for s, mm in steps.items()}, own, current)
+        for s, t in planned.items():
+            mm = steps[s]
+            if t.target_ms != mm.limits.p99_target_ms:
+                log.info("%s: p99 target %g -> %g ms (%s)", s, mm.limits.p99_target_ms, t.target_ms, t.why)
+                mm.limits = dataclasses.replace(mm.limits, p99_target_ms=t.target_ms)
+            mm.target_from = t if t.ensemble else None
+
+    def _prefer(self, mm: ManagedModel) -> tuple[str, ...]:
+        """For a model on several devices: where to add instances first (groups.preference), from the readings."""
+        if len(mm.per_device) < 2:
+            return ()
+        util = {groups.gpu_key(g.index): g.utilization_pct for g in self._last_devices}
+        return tuple(groups.preference(mm.per_device, util))
 
     # -- one tick -------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -261,10 +306,11 @@ class Controller:
                 return
         self._tick_error = None
         self._collect_finished()
+        self._pass_ensemble_targets(now)
         self.traces.start()
         scraped = self.scraper.metrics()
         stats = self.scraper.all_stats() if scraped is not None else None
-        devices = self._devices(scraped)
+        devices = self._last_devices = self._devices(scraped)
         traffic = any(mm.last_obs is not None and mm.last_obs.valid and mm.last_obs.arrival_rps > 0
                       for mm in self.models.values())
         traced = self.traces.poll(now, traffic)
@@ -324,6 +370,10 @@ class Controller:
             # the simulated device says what each instance holds; a real GPU's is learned from step deltas
             per = counters.custom.get(SIM_MEMORY_METRIC, 0) / max(1, mm.current.instance_count)
             mm.state = policy.with_reported_instance_memory(mm.state, per)
+        if mm.kind is not None and not mm.kind.managed:
+            # an ensemble or a decoupled model: observed and shown, never changed (modelkind.py says why)
+            self._record(mm, Decision(mm.current, mm.kind.hold_reason, valid=False, detail=mm.kind.knobs()), obs, now, "hold")
+            return None
         if self.config.loop.owner_mark and not self._may_act(mm, obs, now):
             return None
         inputs = mm.observer.plan_inputs(mm.max_batch_size, self.config.loop.interval_s) if self.config.loop.planner else None
@@ -434,10 +484,10 @@ class Controller:
                                                            mark=self._mark())
         if self._workers is None:
             self._workers = ThreadPoolExecutor(max_workers=max(2, len(self.models)), thread_name_prefix="reload")
-        target = decision.target
+        target, prefer = decision.target, self._prefer(mm)
 
         def work():
-            result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target)
+            result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target, prefer)
             return result, self.clock()
 
         mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full, now)
@@ -626,7 +676,7 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
     """One model's part of the status snapshot (times still on the controller's clock: `*_t`)."""
     d, obs, p = mm.last_decision, mm.last_obs, mm.pending
     return {
-        "instances": None if mm.current is None else mm.current.instance_count,
+        "instances": None if mm.current is None or (mm.kind is not None and mm.kind.ensemble) else mm.current.instance_count,
         "delay_us": None if mm.current is None else mm.current.max_queue_delay_us,
         "reachable": mm.reachable,
         "p99_target_ms": mm.limits.p99_target_ms,
@@ -649,6 +699,9 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
         "capacity": None if mm.capacity is None else mm.capacity.as_dict(),   # the fleet scaler's figure
         "predicted": None if mm.predicted is None else {"capacity_rps": {str(k): v for k, v in mm.predicted["capacity_rps"].items()},
                                                         "mode": mm.predicted["mode"]},
+        "knobs": None if mm.kind is None else mm.kind.describe(),
+        "target_from": None if mm.target_from is None else mm.target_from.why,
+        "per_device": dict(mm.per_device) if len(mm.per_device) > 1 else None,
     }
 
 

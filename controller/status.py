@@ -237,6 +237,12 @@ def format_model(name: str, m: dict, last: int = 3) -> list[str]:
     rows: list[tuple[str, str]] = []
     if m.get("error"):
         rows.append(("error", m["error"]))
+    if m.get("knobs"):          # what the model is and which knobs the controller turns (controller/modelkind.py)
+        rows.append(("model", m["knobs"]))
+    if m.get("target_from"):    # an ensemble's target passed to this step (controller/ensemble.py)
+        rows.append(("target", m["target_from"]))
+    if m.get("per_device"):     # instances per device, for a model on several (controller/groups.py)
+        rows.append(("devices", ", ".join(f"{d} {n}" for d, n in m["per_device"].items())))
     o = m.get("obs")
     if "reason" in m:       # the controller's view
         if o:

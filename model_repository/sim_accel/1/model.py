@@ -18,12 +18,18 @@ instance (one process each) and every model naming the same device share them. S
 almost no CPU, so two cores are enough to simulate many instances.
 Each instance keeps a buffer of `instance_memory_mb` (touched, so it is resident) and reports it
 as `sim_device_memory_bytes`; `sim_device_busy_us_total` counts slot-holding time.
+
+SEVERAL SIMULATED GPUs: an instance of a group named `<anything>_simgpu<k>` (KIND_CPU: the server has no
+GPU) runs on simulated GPU k: its own slots (`<device_name>_gpu<k>`), and its memory and slot time also
+reported as `sim_gpu<k>_memory_bytes` and `sim_gpu<k>_busy_us_total`. The controller reads such a group as
+a group on GPU k (controller/groups.py) and the simulated device source reports one device per k.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -88,7 +94,10 @@ class TritonPythonModel:
         self.host_per_item_s = float(_param(config, "host_per_item_ms", "1.0")) / 1e3
         self.base_s = float(_param(config, "compute_base_ms", "2")) / 1e3
         self.per_item_s = float(_param(config, "compute_per_item_ms", "0.5")) / 1e3
-        self.device = SimulatedDevice(_param(config, "device_name", "sim0"), int(_param(config, "device_parallelism", "2")))
+        m = re.search(r"_simgpu(\d+)$", self.instance_name.rsplit("_", 1)[0])
+        self.sim_gpu = int(m.group(1)) if m else None      # which simulated GPU, for a `*_simgpu<k>` group
+        device = _param(config, "device_name", "sim0") + ("" if self.sim_gpu is None else f"_gpu{self.sim_gpu}")
+        self.device = SimulatedDevice(device, int(_param(config, "device_parallelism", "2")))
         memory_bytes = int(float(_param(config, "instance_memory_mb", "64")) * 2**20)
         self.buffer = np.ones(memory_bytes // 8, dtype=np.float64)  # resident, like weights on a device
 
@@ -106,6 +115,14 @@ class TritonPythonModel:
         self.m_us = self.fam_us.Metric(labels=labels)
         self.m_batch = self.fam_batch.Metric(labels=labels)
         self.m_mem.set(self.buffer.nbytes)
+        self.m_gpu_mem = self.m_gpu_busy = None
+        if self.sim_gpu is not None:
+            k = self.sim_gpu
+            self.fam_gpu_mem = pb_utils.MetricFamily(f"sim_gpu{k}_memory_bytes", f"SIMULATED GPU {k}: memory held by this instance", pb_utils.MetricFamily.GAUGE)
+            self.fam_gpu_busy = pb_utils.MetricFamily(f"sim_gpu{k}_busy_us_total", f"SIMULATED GPU {k}: slot time used by this instance", pb_utils.MetricFamily.COUNTER)
+            self.m_gpu_mem = self.fam_gpu_mem.Metric(labels=labels)
+            self.m_gpu_busy = self.fam_gpu_busy.Metric(labels=labels)
+            self.m_gpu_mem.set(self.buffer.nbytes)
 
     def execute(self, requests):
         inputs, responses = [], [None] * len(requests)
@@ -130,6 +147,8 @@ class TritonPythonModel:
                 self.device.release(fd)   # why: a slot kept after an exception would starve every instance
             t1 = time.perf_counter()
             self.m_busy.increment((t1 - t_dev) * 1e6)
+            if self.m_gpu_busy is not None:
+                self.m_gpu_busy.increment((t1 - t_dev) * 1e6)
             self.m_exec.increment(1)
             self.m_items.increment(items)
             self.m_us.increment((t1 - t0) * 1e6)
@@ -141,5 +160,7 @@ class TritonPythonModel:
     def finalize(self):
         # The server keeps a removed instance's metric series: report its memory as released.
         self.m_mem.set(0)
+        if self.m_gpu_mem is not None:
+            self.m_gpu_mem.set(0)
         self.device.close()
         self.buffer = None

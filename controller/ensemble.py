@@ -1,0 +1,122 @@
+"""An ensemble's p99 target passed down to the step that holds its latency (pure; issue 15, deliver 2).
+
+An ensemble has no knob of its own (controller/modelkind.py); the latency its clients see is its own
+end-to-end p99 (its own request traces or counters, as for any model). What can bring it down is a step:
+more instances (or a shorter delay) where requests wait. So, each tick:
+
+1. the step that *holds the latency* is the one whose requests wait longest in its queue
+   (`queue_ms_per_request`): that is what another instance removes;
+2. that step's target becomes the ensemble's target less what the rest of the ensemble adds (the other
+   steps and the ensemble's own overhead: the ensemble's mean request time less the step's, from the
+   server's counters; the difference of the two p99s only where a mean is missing, as the two p99s come
+   from different sampled requests and their difference is noisy), but never looser than the step's own
+   target and never below `MIN_FRACTION` of the ensemble's. While the ensemble's own p99 is over its target,
+   the step's target is also at most the step's p99 less that excess: the ensemble's p99, not the split of
+   it, is what must meet the target;
+3. every other step keeps its own target: one step at a time. When the queue moves to another step,
+   the target moves with it;
+4. while the ensemble's or its steps' data are missing (a change settling, a failed scrape), every step
+   keeps the target it has: a gap in the data never hands a step back its looser own target.
+
+A step in several ensembles gets the strictest of their targets. The policy then does what it does for
+any model against that target, within the shared memory budget (the arbiter), so the ensemble's p99
+meets its target where the step can be scaled to meet it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .types import Observation
+
+MIN_FRACTION = 0.2        # a step's derived target is never below 20% of the ensemble's
+HYSTERESIS = 0.1          # a derived target moves only when it changes by more than 10%
+
+
+@dataclass(frozen=True)
+class StepTarget:
+    model: str
+    target_ms: float
+    ensemble: str = ""        # the ensemble whose target this is ("": the step's own)
+    why: str = "own target"
+
+
+def holder(steps: Sequence[str], obs: Mapping[str, Observation | None]) -> str | None:
+    """The step whose requests wait longest in its queue (valid observations only); None if none is known."""
+    known = [(o.queue_ms_per_request, -i, s) for i, s in enumerate(steps)
+             if (o := obs.get(s)) is not None and o.valid]
+    return max(known)[2] if known else None
+
+
+def step_targets(ensemble: str, target_ms: float, ens_obs: Observation | None, steps: Sequence[str],
+                 step_obs: Mapping[str, Observation | None], own: Mapping[str, float]) -> dict[str, StepTarget] | None:
+    """Each step's target under this ensemble (see the module's doc); None when the data do not say."""
+    out = {s: StepTarget(s, own[s]) for s in steps if s in own}
+    if ens_obs is None or not ens_obs.valid or ens_obs.p99_ms is None:
+        return None
+    h = holder([s for s in steps if s in own], step_obs)
+    if h is None or step_obs[h].p99_ms is None:
+        return None
+    step = step_obs[h]
+    if ens_obs.request_ms_mean > 0 and step.request_ms_mean > 0:
+        rest = max(0.0, ens_obs.request_ms_mean - step.request_ms_mean)
+    else:
+        rest = max(0.0, ens_obs.p99_ms - step.p99_ms)
+    derived = target_ms - rest
+    excess = ens_obs.p99_ms - target_ms
+    if excess > 0:
+        derived = min(derived, step.p99_ms - excess)
+    derived = max(derived, MIN_FRACTION * target_ms)
+    if derived >= own[h]:
+        return out
+    why = (f"{ensemble} p99 target {target_ms:g} ms less {rest:.1f} ms the rest of {ensemble} adds"
+           + (f", or {h}'s p99 {step.p99_ms:.1f} ms less the {excess:.1f} ms {ensemble} is over" if excess > 0 else "")
+           + f" ({ensemble} p99 {ens_obs.p99_ms:.1f} ms); {h} queues longest ({step.queue_ms_per_request:.1f} ms)")
+    out[h] = StepTarget(h, round(derived, 2), ensemble, why)
+    return out
+
+
+def merge(per_ensemble: Sequence[Mapping[str, StepTarget]]) -> dict[str, StepTarget]:
+    """A step in several ensembles: the strictest target."""
+    out: dict[str, StepTarget] = {}
+    for targets in per_ensemble:
+        for s, t in targets.items():
+            if s not in out or t.target_ms < out[s].target_ms:
+                out[s] = t
+    return out
+
+
+def settle(previous_ms: float, new_ms: float, own_ms: float) -> float:
+    """The target to use: `new_ms` when it moved by more than HYSTERESIS (or back to the step's own), else
+    `previous_ms`, so that tick-to-tick noise in the p99s does not move the target the policy aims at."""
+    if new_ms == own_ms or previous_ms <= 0:
+        return new_ms
+    return new_ms if abs(new_ms - previous_ms) > HYSTERESIS * previous_ms else previous_ms
+
+
+@dataclass(frozen=True)
+class EnsembleView:
+    name: str
+    target_ms: float
+    obs: Observation | None
+    steps: tuple[str, ...]
+
+
+def plan(ensembles: Sequence[EnsembleView], obs: Mapping[str, Observation | None], own: Mapping[str, float],
+         current: Mapping[str, StepTarget]) -> dict[str, StepTarget]:
+    """The target each step of these ensembles should run under now: the strictest over the ensembles,
+    settled against `current` (what the steps run under now; a step missing there runs under its own).
+    An ensemble whose data do not say leaves its steps' current targets as they are. Steps not in `own`
+    are left out."""
+    per_ensemble = []
+    for e in ensembles:
+        t = step_targets(e.name, e.target_ms, e.obs, e.steps, obs, own)
+        per_ensemble.append(t if t is not None else
+                            {s: current.get(s, StepTarget(s, own[s])) for s in e.steps if s in own})
+    merged = merge(per_ensemble)
+    out = {}
+    for s, t in merged.items():
+        now = current.get(s)
+        settled = settle(now.target_ms if now is not None else own[s], t.target_ms, own[s])
+        out[s] = t if settled == t.target_ms else (now if now is not None else StepTarget(s, settled))
+    return out

@@ -1,0 +1,126 @@
+"""What a model is, read from its live config, and which knobs the controller may turn on it.
+
+`classify(config)` looks only at the ModelConfig JSON that `GET /v2/models/<m>/config` (or gRPC
+`get_model_config`) returns. The rules:
+
+* **ensemble** (`platform: "ensemble"`): no instances of its own (its steps run in their own models) and
+  no batching delay; loading it with an instance count is refused by the server. Never reloaded: not
+  managed. Its steps (`ensemble_scheduling.step[].model_name`) are managed, and its p99 target is passed
+  to the step that holds its latency (controller/ensemble.py).
+* **decoupled** (`model_transaction_policy.decoupled: true`, streaming): **not managed**. Every latency
+  figure the controller has (request traces REQUEST_START -> REQUEST_END, the server's queue and compute
+  counters, the summary quantile) measures a request until its *last* response, while a streaming client
+  waits for the *first*; a p99 target would be misread and instances added for long streams rather than for
+  a queue. The model is observed and shown in `status`, and the start-up line says so; nothing is changed.
+* **no batching** (`max_batch_size: 0`): instances only; the delay knob does not exist.
+* **batching without `dynamic_batching`** (e.g. `sequence_batching`): instances only; the controller does
+  not add a dynamic batcher the user did not write.
+* otherwise: instances and the batching delay.
+
+A Python model that calls other models (BLS) has the same config as any Python model, so it cannot be told
+apart here: it is managed like any other (its compute time includes the time of the models it calls; the
+policy's check that an added instance brought throughput or a lower p99 is what stops it scaling a BLS
+model whose callee is the bottleneck).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENSEMBLE = "ensemble"
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    backend: str                 # "ensemble", "python", "onnxruntime", "tensorrt", ... ("?" when unknown)
+    decoupled: bool = False
+    max_batch_size: int = 0
+    dynamic_batching: bool = False
+    sequence_batching: bool = False
+    steps: tuple[str, ...] = ()  # an ensemble's composing models, in step order
+
+    @property
+    def ensemble(self) -> bool:
+        return self.backend == ENSEMBLE
+
+    @property
+    def managed(self) -> bool:
+        return not self.ensemble and not self.decoupled
+
+    @property
+    def instances(self) -> bool:
+        """The instance count is a knob."""
+        return self.managed
+
+    @property
+    def delay(self) -> bool:
+        """The dynamic batcher's max_queue_delay_microseconds is a knob."""
+        return self.managed and self.max_batch_size > 0 and self.dynamic_batching
+
+    @property
+    def hold_reason(self) -> str:
+        """The decision reason while the model is left alone ("" when it is managed)."""
+        if self.ensemble:
+            return "HoldEnsemble"
+        if self.decoupled:
+            return "HoldDecoupled"
+        return ""
+
+    def what(self) -> str:
+        """e.g. "python, batching up to 32, dynamic batcher"."""
+        if self.ensemble:
+            return "ensemble of " + (", ".join(self.steps) if self.steps else "no steps")
+        parts = [self.backend]
+        if self.decoupled:
+            parts.append("decoupled")
+        parts.append(f"batching up to {self.max_batch_size}" if self.max_batch_size > 0 else "no batching (max_batch_size 0)")
+        if self.dynamic_batching:
+            parts.append("dynamic batcher")
+        if self.sequence_batching:
+            parts.append("sequence batcher")
+        return ", ".join(parts)
+
+    def knobs(self) -> str:
+        """Which knobs, and why, in a few words: the start-up line and `status` show it."""
+        if self.ensemble:
+            return ("none: an ensemble has no instances of its own and is never reloaded "
+                    "(its target goes to the step that holds its latency)")
+        if self.decoupled:
+            return ("none: decoupled (streaming); the latency figures measure a request until its last response, "
+                    "not the time to first response, so it is observed but not changed")
+        if self.delay:
+            return "instances and batching delay"
+        if self.max_batch_size <= 0:
+            return "instances only: no batching (max_batch_size 0), so no batching delay"
+        if self.sequence_batching:
+            return "instances only: a sequence batcher, not a dynamic one"
+        return "instances only: no dynamic_batching section (the controller does not add one)"
+
+    def describe(self) -> str:
+        return f"{self.what()}; knobs: {self.knobs()}"
+
+
+def classify(config: dict) -> ModelKind:
+    """The kind of the model whose live ModelConfig JSON is `config` (HTTP or gRPC JSON, either spelling)."""
+    platform = str(config.get("platform") or "")
+    backend = str(config.get("backend") or "")
+    scheduling = config.get("ensemble_scheduling") or config.get("ensembleScheduling") or {}
+    if platform == ENSEMBLE or scheduling:
+        steps = tuple(str(s.get("model_name") or s.get("modelName") or "?") for s in scheduling.get("step", []))
+        return ModelKind(ENSEMBLE, steps=steps)
+    policy = config.get("model_transaction_policy") or config.get("modelTransactionPolicy") or {}
+    return ModelKind(
+        backend=backend or platform or "?",
+        decoupled=_true(policy.get("decoupled")),
+        max_batch_size=int(config.get("max_batch_size", config.get("maxBatchSize", 0)) or 0),
+        dynamic_batching="dynamic_batching" in config or "dynamicBatching" in config,
+        sequence_batching=bool(config.get("sequence_batching") or config.get("sequenceBatching")),
+    )
+
+
+def _true(value) -> bool:
+    return value is True or str(value).lower() == "true"
+
+
+def start_line(name: str, kind: ModelKind) -> str:
+    """The one line logged per managed model at start: what it is, which knobs and why."""
+    return f"{name}: {kind.describe()}"

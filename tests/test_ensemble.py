@@ -1,0 +1,126 @@
+"""An ensemble's target passed down to the step that holds its latency (controller/ensemble.py): no server."""
+from __future__ import annotations
+
+import logging
+
+from controller import ensemble as E
+from controller.config import ControllerConfig, ModelLimits, ServerConfig
+from controller.loop import Controller
+from controller.observer import TraceFeed
+from controller.types import Observation
+from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, model_config, run_ticks
+
+
+def obs(p99=None, queue=0.0, valid=True):
+    return Observation(valid=valid, p99_ms=p99, queue_ms_per_request=queue)
+
+
+def test_the_step_that_queues_longest_holds_the_latency():
+    o = {"pre": obs(5, queue=0.5), "net": obs(40, queue=12.0), "post": obs(3, queue=0.1), "gone": None}
+    assert E.holder(["pre", "net", "post", "gone"], o) == "net"
+    assert E.holder(["a"], {"a": obs(valid=False)}) is None
+
+
+def test_only_the_holder_gets_the_ensemble_target_less_the_rest():
+    own = {"pre": 100.0, "net": 100.0}
+    t = E.step_targets("ens", 50.0, obs(60.0), ["pre", "net"], {"pre": obs(6, 0.2), "net": obs(45, 9.0)}, own)
+    assert t["pre"] == E.StepTarget("pre", 100.0)                 # one step at a time
+    assert t["net"].target_ms == 35.0 and t["net"].ensemble == "ens"   # 50 - (60 - 45)
+    assert "queues longest" in t["net"].why
+
+
+def test_never_looser_than_the_steps_own_nor_below_a_floor():
+    own = {"net": 20.0}
+    assert E.step_targets("ens", 50.0, obs(30.0), ["net"], {"net": obs(25, 3.0)}, own)["net"].ensemble == ""
+    own = {"net": 100.0}
+    t = E.step_targets("ens", 50.0, obs(200.0), ["net"], {"net": obs(10, 3.0)}, own)["net"]
+    assert t.target_ms == 10.0                                   # 50 - 190 < 0: the floor, 20% of 50
+
+
+def test_the_rest_is_the_difference_of_the_mean_request_times_where_known():
+    own = {"net": 100.0}
+    ens = Observation(valid=True, p99_ms=60.0, request_ms_mean=30.0)
+    net = Observation(valid=True, p99_ms=58.0, queue_ms_per_request=9.0, request_ms_mean=22.0)
+    assert E.step_targets("ens", 50.0, ens, ["net"], {"net": net}, own)["net"].target_ms == 42.0   # 50 - (30 - 22)
+
+
+def test_an_ensemble_over_its_target_asks_the_step_to_cut_the_excess():
+    own = {"net": 100.0}
+    ens = Observation(valid=True, p99_ms=30.0, request_ms_mean=12.0)
+    net = Observation(valid=True, p99_ms=23.0, queue_ms_per_request=2.0, request_ms_mean=11.0)
+    t = E.step_targets("ens", 25.0, ens, ["net"], {"net": net}, own)["net"]
+    assert t.target_ms == 18.0 and "over" in t.why      # min(25 - 1, 23 - (30 - 25))
+
+
+def test_no_data_says_nothing():
+    own = {"net": 100.0}
+    for e in (None, obs(valid=False), obs(None)):
+        assert E.step_targets("ens", 50.0, e, ["net"], {"net": obs(25, 3.0)}, own) is None
+    assert E.step_targets("ens", 50.0, obs(60.0), ["net"], {"net": obs(valid=False)}, own) is None
+
+
+def test_a_gap_in_the_data_keeps_the_targets_the_steps_have():
+    views = [E.EnsembleView("ens", 50.0, obs(valid=False), ("net",))]
+    held = E.StepTarget("net", 35.0, "ens", "earlier")
+    assert E.plan(views, {"net": obs(45, 9.0)}, {"net": 100.0}, {"net": held}) == {"net": held}
+    assert E.plan(views, {"net": obs(45, 9.0)}, {"net": 100.0}, {}) == {"net": E.StepTarget("net", 100.0)}
+
+
+def test_a_shared_step_gets_the_strictest_and_noise_does_not_move_it():
+    a = {"s": E.StepTarget("s", 30.0, "a", "x")}
+    b = {"s": E.StepTarget("s", 25.0, "b", "y")}
+    assert E.merge([a, b])["s"].ensemble == "b"
+    assert E.settle(30.0, 31.0, 100.0) == 30.0     # within 10%: keep
+    assert E.settle(30.0, 25.0, 100.0) == 25.0
+    assert E.settle(30.0, 100.0, 100.0) == 100.0   # back to its own
+
+
+def test_plan_settles_against_the_current_target():
+    views = [E.EnsembleView("ens", 50.0, obs(60.0), ("net",))]
+    before = E.StepTarget("net", 34.0, "ens", "earlier")
+    assert E.plan(views, {"net": obs(45, 9.0)}, {"net": 100.0}, {"net": before}) == {"net": before}   # 35 is within 10%
+    assert E.plan(views, {"net": obs(45, 9.0)}, {"net": 100.0}, {})["net"].target_ms == 35.0
+
+
+# ---- the loop ----------------------------------------------------------------------------------------
+
+ENS = {"name": "ens", "platform": "ensemble", "max_batch_size": 8, "instance_group": [],
+       "ensemble_scheduling": {"step": [{"model_name": "net"}]}}
+
+
+def test_the_ensemble_target_scales_its_step_which_alone_would_hold(caplog):
+    """The step's own target (1 s) is met with room to spare; the ensemble's (40 ms) is not: the step grows."""
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    clock = Clock()
+    control = FakeControl(["ens", "net"])
+    control.configs.update(ens=ENS, net=model_config("net"))
+    loose = ModelLimits(p99_target_ms=1000.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0)
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=loose,
+                           models={"ens": ModelLimits(p99_target_ms=40.0, max_delay_us=0)})   # the step is not named
+    scraper = FakeScraper(clock, {"ens": FakeModel(300, 32, 31), "net": FakeModel(300, 30, 5, pending=4)})
+    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(ctl, clock, 10)
+    ctl.wait_for_pending()
+    net = ctl.models["net"]
+    assert any(m.startswith("net: managed as a step of ensemble ens") for m in caplog.messages)
+    assert net.target_from is not None and net.target_from.ensemble == "ens" and net.limits.p99_target_ms < 40.0
+    assert control.loads and control.loads[0][0] == "net" and control.loads[0][1].instance_count == 2
+    assert not [m for m, _ in control.loads if m == "ens"]
+    assert "less" in ctl.status_snapshot()["models"]["net"]["target_from"]
+    ctl.close()
+
+
+def test_an_ensemble_within_its_target_changes_nothing():
+    clock = Clock()
+    control = FakeControl(["ens", "net"])
+    control.configs.update(ens=ENS, net=model_config("net"))
+    loose = ModelLimits(p99_target_ms=1000.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0)
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=loose,
+                           models={"ens": ModelLimits(p99_target_ms=40.0, max_delay_us=0)})
+    scraper = FakeScraper(clock, {"ens": FakeModel(50, 6, 5.5), "net": FakeModel(50, 5, 4.5)})
+    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(ctl, clock, 10)
+    net = ctl.models["net"]
+    assert net.limits.p99_target_ms == 39.0 and net.target_from.ensemble == "ens"    # 40 less the 1 ms ens adds (means 6 - 5)
+    assert control.loads == [] and net.last_decision.reason.startswith("Hold")
+    ctl.close()

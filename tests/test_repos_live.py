@@ -1,0 +1,234 @@
+"""Real repositories on a real tritonserver (issue 15): an ensemble in front of a model on two SIMULATED GPUs,
+a model without batching, a Python BLS model. The repository is built in a tmp folder by the fixture.
+
+* `sim2`: the SIMULATED accelerator (model_repository/sim_accel) with two instance groups named
+  `sim2_simgpu0` and `sim2_simgpu1`: one instance on each of two simulated GPUs (own slots, own memory series).
+* `ens`: an ensemble whose one step is `sim2`. Never reloaded, never given instances.
+* `plain`: the simulated model with `max_batch_size: 0` and no dynamic batcher: instances only.
+* `bls`: a Python model that calls `sim2` for each request (Business Logic Scripting).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, start_server
+from controller import groups
+from controller.actuation import TritonControl
+from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.loop import Controller
+
+SIM = ROOT / "model_repository" / "sim_accel"
+
+ENSEMBLE = """name: "ens"
+platform: "ensemble"
+max_batch_size: 32
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 16 ] } ]
+ensemble_scheduling {
+  step [ { model_name: "sim2", model_version: -1, input_map { key: "INPUT", value: "IN" },
+           output_map { key: "OUTPUT", value: "OUT" } } ]
+}
+"""
+
+BLS_CONFIG = """name: "bls"
+backend: "python"
+max_batch_size: 32
+input [ { name: "INPUT", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "OUTPUT", data_type: TYPE_FP32, dims: [ 16 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 0 }
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+
+BLS_MODEL = '''import sys
+sys.dont_write_bytecode = True
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """BLS: each request is sent on to `sim2`, its answer passed back."""
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT")
+            answer = pb_utils.InferenceRequest(model_name="sim2", requested_output_names=["OUTPUT"],
+                                               inputs=[pb_utils.Tensor("INPUT", x.as_numpy())]).exec()
+            if answer.has_error():
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(answer.error().message())))
+            else:
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.get_output_tensor_by_name(answer, "OUTPUT")]))
+        return responses
+'''
+
+
+def _sim_copy(repo, name: str, replace: dict[str, str]) -> None:
+    shutil.copytree(SIM, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = repo / name / "config.pbtxt"
+    text = cfg.read_text().replace('name: "sim_accel"', f'name: "{name}"')
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    cfg.write_text(text)
+
+
+SLOW = {'"fixed_overhead_ms", value: { string_value: "4" }': '"fixed_overhead_ms", value: { string_value: "8" }',
+        '"device_parallelism", value: { string_value: "2" }': '"device_parallelism", value: { string_value: "1" }'}
+
+
+@pytest.fixture(scope="module")
+def repo_server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    _sim_copy(repo, "sim2", {
+        **SLOW, "max_batch_size: 32": "max_batch_size: 4",
+        "{ count: 1, kind: KIND_CPU }": '{ name: "sim2_simgpu0", count: 1, kind: KIND_CPU },\n'
+                                        '  { name: "sim2_simgpu1", count: 1, kind: KIND_CPU }'})
+    (repo / "ens" / "1").mkdir(parents=True)
+    (repo / "ens" / "config.pbtxt").write_text(ENSEMBLE.replace("max_batch_size: 32", "max_batch_size: 4"))
+    _sim_copy(repo, "plain", {
+        **SLOW, "max_batch_size: 32": "max_batch_size: 0", "dims: [ 16 ]": "dims: [ 1, 16 ]",
+        "dynamic_batching {\n  max_queue_delay_microseconds: 0\n}\n": "",
+        '"device_name", value: { string_value: "sim0" }': '"device_name", value: { string_value: "plain_dev" }'})
+    (repo / "bls" / "1").mkdir(parents=True)
+    (repo / "bls" / "config.pbtxt").write_text(BLS_CONFIG)
+    (repo / "bls" / "1" / "model.py").write_text(BLS_MODEL)
+    s = start_server(["sim2", "ens", "plain", "bls"], repository=repo)
+    yield s
+    s.stop()
+
+
+def _config(server, tmp_path, models: dict[str, ModelLimits]) -> ControllerConfig:
+    return ControllerConfig(
+        server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, gpu="simulated",
+                        decision_log=str(tmp_path / "decisions.jsonl"), observation_log=str(tmp_path / "obs.jsonl")),
+        models=models)
+
+
+def _limits(max_instances=4):
+    return ModelLimits(p99_target_ms=20.0, max_instances=max_instances, scale_up_cooldown_s=1.0,
+                       scale_down_delay_s=600.0, delay_cooldown_s=600.0, max_delay_us=0)
+
+
+def _load(server, model, rate_rps: float, seconds: float, out: list, seed=5):
+    trace = load_trace({"phases": [{"name": "busy", "duration_s": seconds, "rate_rps": rate_rps}]})
+    schedule = poisson_schedule(trace, seed=seed, max_requests=int(rate_rps * seconds * 2))
+    cfg = TritonControl(server.grpc_url, server.http_url).config(model)
+    out.extend(run_open_loop_sync(server.grpc_url, model, schedule, inputs_from_config(cfg), timeout_s=10.0))
+
+
+@contextlib.contextmanager
+def running(cfg: ControllerConfig):
+    controller = Controller(cfg)
+    stop = threading.Event()
+    thread = threading.Thread(target=controller.run, args=(stop,))
+    thread.start()
+    try:
+        yield controller
+    finally:
+        stop.set()
+        thread.join()
+        controller.close()
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_ensemble_is_never_reloaded_and_its_step_grows_on_the_two_simulated_gpus(repo_server, tmp_path, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    control = TritonControl(repo_server.grpc_url, repo_server.http_url)
+    live = control.config("sim2")
+    assert groups.instances_per_device(live) == {"gpu0": 1, "gpu1": 1}
+    cfg = _config(repo_server, tmp_path, {"ens": _limits(), "sim2": _limits()})
+    results: list = []
+    with running(cfg) as controller:
+        _load(repo_server, "ens", rate_rps=200, seconds=25, out=results)
+    failed = [r for r in results if not r.ok]
+    assert results and not failed, failed[:3]
+    records = _records(tmp_path / "decisions.jsonl")
+    assert not [r for r in records if r["model"] == "ens" and r["action"] != "hold"], \
+        [(r["action"], r["reason"]) for r in records if r["model"] == "ens"]
+    assert {r["reason"] for r in records if r["model"] == "ens"} <= {"HoldEnsemble"}
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("ens: ensemble of sim2; knobs: none") for line in lines), lines[:5]
+    assert any(line.startswith("sim2: python, batching up to 4") for line in lines), lines[:5]
+    ups = [r for r in records if r["model"] == "sim2" and r["action"] == "applied" and r["reason"].startswith("ScaleUp")]
+    assert ups, [(r["model"], r["action"], r["reason"]) for r in records]
+    assert all(r["kind"] == "in_place" for r in records if r["model"] == "sim2" and r["action"] == "applied")
+    after = control.config("sim2")
+    per = groups.instances_per_device(after)
+    assert set(per) == {"gpu0", "gpu1"} and sum(per.values()) == controller.models["sim2"].current.instance_count >= 3
+    assert [(g["name"], g["kind"]) for g in after["instance_group"]] == [("sim2_simgpu0", "KIND_CPU"),
+                                                                        ("sim2_simgpu1", "KIND_CPU")]
+    devices = controller.models["sim2"].last_obs.gpus
+    assert [g.index for g in devices] == [0, 1] and all(g.memory_used_bytes > 0 for g in devices)
+    assert control.ready("ens")
+
+
+def test_a_model_without_batching_only_changes_instances(repo_server, tmp_path):
+    cfg = _config(repo_server, tmp_path, {"plain": _limits()})
+    results: list = []
+    with running(cfg) as controller:
+        _load(repo_server, "plain", rate_rps=130, seconds=20, out=results)
+        mm = controller.models["plain"]
+        assert mm.kind is not None and not mm.kind.delay and mm.kind.instances
+    assert results and all(r.ok for r in results), [r for r in results if not r.ok][:3]
+    applied = [r for r in _records(tmp_path / "decisions.jsonl") if r["action"] in ("applied", "failed")]
+    assert applied and all(r["action"] == "applied" and r["kind"] == "in_place" for r in applied), applied
+    assert all(r["target"]["delay_us"] == 0 for r in applied)
+    assert "dynamic_batching" not in TritonControl(repo_server.grpc_url, repo_server.http_url).config("plain")
+
+
+def test_a_bls_model_is_managed_and_serves_without_failures(repo_server, tmp_path):
+    cfg = _config(repo_server, tmp_path, {"bls": _limits(max_instances=3)})
+    results: list = []
+    with running(cfg) as controller:
+        _load(repo_server, "bls", rate_rps=60, seconds=12, out=results)
+        mm = controller.models["bls"]
+        assert mm.kind is not None and mm.kind.managed and mm.kind.backend == "python"
+    assert results and all(r.ok for r in results), [r for r in results if not r.ok][:3]
+    records = _records(tmp_path / "decisions.jsonl")
+    assert not [r for r in records if r["action"] == "failed"], records
+    assert records and all(r["model"] == "bls" for r in records)
+
+
+def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog):
+    """Only the ensemble has a target (25 ms); its step is not named and its own (default) target is loose
+    (1 s). The controller manages the step as part of the ensemble, on the ensemble's target."""
+    import dataclasses
+    import logging
+
+    import numpy as np
+    from controller.actuation import Actuator
+    from controller.types import Settings
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    assert Actuator(TritonControl(repo_server.grpc_url, repo_server.http_url)).apply("sim2", Settings(2, 0)).ok
+    cfg = _config(repo_server, tmp_path, {"ens": dataclasses.replace(_limits(), p99_target_ms=25.0)})
+    cfg = dataclasses.replace(cfg, defaults=dataclasses.replace(_limits(), p99_target_ms=1000.0))
+    results: list = []
+    with running(cfg) as controller:
+        _load(repo_server, "ens", rate_rps=200, seconds=25, out=results, seed=11)
+        step = controller.models.get("sim2")
+        assert step is not None and step.target_from is not None and step.target_from.ensemble == "ens"
+        assert step.limits.p99_target_ms <= 25.0
+    assert results and all(r.ok for r in results), [r for r in results if not r.ok][:3]
+    assert any(m.startswith("sim2: managed as a step of ensemble ens") for m in caplog.messages)
+    records = _records(tmp_path / "decisions.jsonl")
+    assert not [r for r in records if r["model"] == "ens" and r["action"] != "hold"]
+    ups = [r for r in records if r["model"] == "sim2" and r["action"] == "applied" and r["reason"].startswith("ScaleUp")]
+    assert ups, [(r["model"], r["action"], r["reason"]) for r in records]
+    done = np.array([r.done_s for r in results])
+    lat = np.array([1000 * r.latency_s for r in results])
+    late = lat[done >= np.median(done)]
+    print(f"ensemble client p99: first half {np.percentile(lat[done < np.median(done)], 99):.1f} ms, "
+          f"second half {np.percentile(late, 99):.1f} ms (target 25 ms); step at "
+          f"{controller.models['sim2'].current.instance_count} instances")
