@@ -41,3 +41,16 @@ def test_one_device_per_simulated_gpu_with_utilisation():
     clock.t += 1.0
     src.feed(None)                     # a failed scrape: no data, and the next rate spans the gap
     assert src.read() is None
+
+
+def test_one_device_utilisation_is_slot_time_over_its_slots_and_a_reset_gives_no_reading():
+    src = SimulatedDeviceSource(1024)
+    mem = {"sim_device_memory_bytes": 64 * MiB}
+    src.feed(scrape(a={**mem, "sim_device_busy_us_total": 1e6}, b={**mem, "sim_device_busy_us_total": 0.0}), 10.0, 2)
+    assert src.read()[0].utilization_pct is None                     # one feed: no rate yet
+    src.feed(scrape(a={**mem, "sim_device_busy_us_total": 2e6}, b={**mem, "sim_device_busy_us_total": 0.5e6}), 11.0, 2)
+    assert src.read()[0].utilization_pct == 75.0                      # 1.5 s of slot time in 1 s on 2 slots
+    src.feed(scrape(a={**mem, "sim_device_busy_us_total": 0.1e6}), 12.0, 2)   # an instance unloaded: counter went down
+    assert src.read()[0].utilization_pct is None
+    src.feed(scrape(a={**mem, "sim_device_busy_us_total": 9e6}), 13.0, 2)
+    assert src.read()[0].utilization_pct == 100.0                     # capped
