@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -75,6 +76,7 @@ class ModelObserver:
         self.last: Observation | None = None
         self._latest: ModelCounters | None = None
         self.forecast: Forecast | None = None     # of the arrival rate, one update per tick with usable counters
+        self._utilisation: deque[tuple[float, dict[int, float]]] = deque()   # (time, {device: % busy}) per tick
 
     # -- feeding -------------------------------------------------------------------------------
     def add_scrape(self, now: float, counters: ModelCounters | None, stats: StatsCounters | None,
@@ -119,8 +121,11 @@ class ModelObserver:
                 max_batch_size: int = 0) -> Observation:
         span = min(self.window_s, max(0.0, now - self.fresh_from))
         obs = self.counters.observe(now, span, live.instance_count)
+        self._utilisation.append((now, {g.index: g.utilization_pct for g in devices if g.utilization_pct is not None}))
+        while self._utilisation and self._utilisation[0][0] < now - self.counters.max_age_s:
+            self._utilisation.popleft()
         if obs.valid and devices:
-            obs = dataclasses.replace(obs, gpus=devices)
+            obs = dataclasses.replace(obs, gpus=self._window_utilisation(devices, obs.since, now))
         self._calibrate_tail(now, live)
         obs = self._latency(obs, now)
         if obs.valid:
@@ -131,6 +136,15 @@ class ModelObserver:
             obs = dataclasses.replace(obs, service=fit, predicted_p99_ms=None if predicted is None else predicted.p99_ms)
         self.last = obs
         return obs
+
+    def _window_utilisation(self, devices: tuple[GpuObservation, ...], since: float, now: float) -> tuple[GpuObservation, ...]:
+        """The devices with their utilisation averaged over the observation's span (each tick's reading
+        covers one tick; the rates beside it cover the span, and the planner divides one by the other)."""
+        out = []
+        for g in devices:
+            values = [u[g.index] for t, u in self._utilisation if since <= t <= now and g.index in u]
+            out.append(dataclasses.replace(g, utilization_pct=sum(values) / len(values)) if values else g)
+        return tuple(out)
 
     def _latency(self, obs: Observation, now: float) -> Observation:
         """The best p99 figure for the observation's span, and where it came from."""

@@ -101,32 +101,62 @@ def simulate(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
 
 @dataclass(frozen=True)
 class Forecast:
-    """A level + trend (Holt) filter over the per-tick arrival rates, with the spread of its errors.
+    """The arrival rate's level (an EWMA of the per-tick rates) and rising trend, with a robust error band.
 
     `update` takes one tick's rate; `band(h)` says where the rate will be `h` seconds on:
-    level + trend * h, plus or minus `z` standard deviations of the one-tick-ahead errors (the
-    Poisson noise of a 2-s rate and the true moves the filter did not foresee).
+    mid = level + trend * (1 - phi^h) / (1 - phi) (the trend fades: phi = 0.8 per second, so no horizon
+    adds more than 5 s of it), plus or minus `z` times the spread of the recent one-tick-ahead errors.
 
-    Worked example (alpha 0.5, beta 0.3, ticks 2 s apart): rates 100, 100, 120, 140. After 100, 100:
-    level 100, trend 0. 120 arrives: forecast 100, error 20; level = 100 + 0.5 * 20 = 110, trend =
-    0.3 * (110 - 100) / 2 = 1.5 req/s per s. 140: forecast 113, error 27; level 126.5, trend 0.3 *
-    8.25 + 0.7 * 1.5 = 3.53. A reload that takes 1 s plus a 2-s tick: mid = 126.5 + 3.53 * 3 = 137.1.
+    * The trend is the least-squares slope of the last `TREND_TICKS` rates, used only when it rises and
+      the line explains them (r^2 >= `TREND_R2`): a ramp, not a step. A Holt filter's trend rings after
+      a step (it overshoots, then undershoots for many ticks); a falling trend is not used at all, since
+      a scale-down waits for consolidation anyway.
+    * The spread is 1.4826 x the median absolute error of the last `ERRORS_KEPT` ticks (robust: one step
+      in the load is one large error, not a wide band for the next minute), and never less than the
+      Poisson noise of a tick's rate, sqrt(level / tick).
+
+    The high end is never below the last measured rate (a step up is seen at once, not 3 ticks late).
+
+    Worked example (alpha 0.5, ticks 2 s apart): rates 100, 100, 120, 140, 160, 180. The level goes
+    100, 100, 110, 125, 142.5, 161.25; the last five rates lie on a line of slope 10 req/s per s (r^2
+    1.0), so a reload of 1 s plus a tick (h = 3) gives mid = 161.25 + 10 * 2.44 = 185.6. The errors
+    (each rate less the mid forecast for it) are 0, 20, 30, 22.4, 23.1: median 22.4 -> spread 33.2, band
+    142-229 req/s at z = 1.3. A load alternating 30 / 250 req/s every 20 s: no trend (a step is not a
+    line), the level within 5% of the new rate 4 ticks after each step, the high end at the new rate from
+    the first tick, and the band at the end of a phase about the Poisson noise.
     """
 
     level: float
-    trend: float          # req/s per second
-    err_var: float        # variance of the one-tick-ahead errors (EWMA)
     t: float
+    recent: tuple[tuple[float, float], ...] = ()   # (time, rate) of the last ticks, newest last
+    errors: tuple[float, ...] = ()                 # the last one-tick-ahead errors, newest last
+    tick_s: float = 2.0                            # the last interval between updates
     ticks: int = 1
 
     ALPHA = 0.5
-    BETA = 0.3
-    ERR_WEIGHT = 0.2
+    PHI = 0.8             # the trend's persistence per second
+    TREND_TICKS = 5
+    TREND_R2 = 0.8
+    ERRORS_KEPT = 10
 
     @staticmethod
     def start(t: float, rate: float) -> "Forecast":
-        # why: before any error is seen, assume Poisson-like noise of a 2-s rate (sd = sqrt(2 rate) / 2)
-        return Forecast(level=rate, trend=0.0, err_var=max(1.0, rate / 2.0), t=t)
+        return Forecast(level=rate, t=t, recent=((t, rate),))
+
+    @property
+    def trend(self) -> float:
+        """The rising slope of the recent rates (req/s per second), 0 when they do not rise on a line."""
+        if len(self.recent) < 3:
+            return 0.0
+        ts = np.array([x[0] for x in self.recent])
+        rs = np.array([x[1] for x in self.recent])
+        tc, rc = ts - ts.mean(), rs - rs.mean()
+        sxx, syy = float(tc @ tc), float(rc @ rc)
+        if sxx <= 0 or syy <= 0:
+            return 0.0
+        slope = float(tc @ rc) / sxx
+        r2 = slope * slope * sxx / syy
+        return slope if slope > 0 and r2 >= self.TREND_R2 else 0.0
 
     def update(self, t: float, rate: float) -> "Forecast":
         if not math.isfinite(rate) or rate < 0:
@@ -134,20 +164,26 @@ class Forecast:
         dt = t - self.t
         if dt <= 0:
             return self
-        if dt > 30.0:             # a long gap (server away): the old trend means nothing now
+        if dt > 30.0:             # a long gap (server away): the old level means little now
             return Forecast.start(t, rate)
-        predicted = max(0.0, self.level + self.trend * dt)
-        err = rate - predicted
-        level = predicted + self.ALPHA * err
-        trend = self.BETA * (level - self.level) / dt + (1 - self.BETA) * self.trend
-        err_var = (1 - self.ERR_WEIGHT) * self.err_var + self.ERR_WEIGHT * err * err
-        return Forecast(level, trend, err_var, t, self.ticks + 1)
+        err = rate - self.band(dt)[1]
+        level = self.level + self.ALPHA * (rate - self.level)
+        return Forecast(level, t, (self.recent + ((t, rate),))[-self.TREND_TICKS:],
+                        (self.errors + (err,))[-self.ERRORS_KEPT:], dt, self.ticks + 1)
+
+    def spread(self) -> float:
+        """The errors' robust standard deviation, at least the Poisson noise of one tick's rate."""
+        poisson = math.sqrt(max(self.level, 1.0) / max(self.tick_s, 0.1))
+        if not self.errors:
+            return poisson
+        return max(1.4826 * float(np.median(np.abs(self.errors))), poisson)
 
     def band(self, horizon_s: float, z: float = 1.3) -> tuple[float, float, float]:
         """(low, mid, high) arrival rate `horizon_s` from the last update; never below 0."""
-        mid = max(0.0, self.level + self.trend * max(0.0, horizon_s))
-        sd = math.sqrt(max(0.0, self.err_var))
-        return max(0.0, mid - z * sd), mid, mid + z * sd
+        fade = (1 - self.PHI ** max(0.0, horizon_s)) / (1 - self.PHI)
+        mid = max(0.0, self.level + self.trend * fade)
+        sd = self.spread()
+        return max(0.0, mid - z * sd), mid, max(mid + z * sd, self.recent[-1][1] if self.recent else 0.0)
 
 
 # ---- service time of a configuration not yet measured ----------------------------------------------

@@ -43,26 +43,43 @@ def run(live: Settings, rate: float, inp: PlanInputs, state: PlannerState = Plan
 # ---- the forecast -------------------------------------------------------------------------------
 
 def test_forecast_worked_example():
-    f = Forecast.start(0.0, 100.0).update(2.0, 100.0).update(4.0, 120.0)
-    assert f.level == pytest.approx(110.0) and f.trend == pytest.approx(1.5)
-    f = f.update(6.0, 140.0)
-    assert f.level == pytest.approx(126.5) and f.trend == pytest.approx(3.525)
+    f = Forecast.start(0.0, 100.0)
+    for k, rate in enumerate([100.0, 120.0, 140.0, 160.0, 180.0], start=1):
+        f = f.update(2.0 * k, rate)
+    assert f.level == pytest.approx(161.25) and f.trend == pytest.approx(10.0)
+    assert f.errors == pytest.approx((0.0, 20.0, 30.0, 22.4, 23.1))
     low, mid, high = f.band(3.0)
-    assert mid == pytest.approx(137.075) and low < mid < high
+    assert mid == pytest.approx(161.25 + 10.0 * (1 - 0.8 ** 3) / 0.2)
+    assert f.spread() == pytest.approx(1.4826 * 22.4)
+    assert (low, high) == (pytest.approx(mid - 1.3 * f.spread()), pytest.approx(mid + 1.3 * f.spread()))
 
 
 def test_forecast_follows_a_ramp_and_its_band_holds_the_noise():
     f = Forecast.start(0.0, 40.0)
     for k in range(1, 18):                      # +7.4 req/s per second, ticks of 2 s (shift's morning ramp)
         f = f.update(2.0 * k, 40.0 + 14.8 * k)
-    assert f.trend == pytest.approx(7.4, rel=0.25)
+    assert f.trend == pytest.approx(7.4)
     low, mid, high = f.band(3.0)
     assert 40.0 + 14.8 * 17 < mid < 40.0 + 14.8 * 17 + 40     # ahead of the last rate, not wildly
     noisy = Forecast.start(0.0, 200.0)
     for k in range(1, 30):
         noisy = noisy.update(2.0 * k, 200.0 + (25.0 if k % 2 else -25.0))
     lo, _, hi = noisy.band(2.0)
-    assert hi - lo > 40.0                       # the band is as wide as the noise it has seen
+    assert hi - lo > 40.0 and noisy.trend == 0.0    # as wide as the noise it has seen; noise is no trend
+
+
+def test_a_square_wave_does_not_leave_a_wide_band_or_a_runaway_trend():
+    f, t = Forecast.start(0.0, 30.0), 0.0
+    for period in range(4):                     # 30 / 250 req/s, 20 s each, 2-s ticks
+        for rate in (250.0, 30.0):
+            for _ in range(10):
+                t += 2.0
+                f = f.update(t, rate)
+                assert f.trend == 0.0           # a step is not a ramp
+    low, mid, high = f.band(4.0)                # at the end of a 30 req/s phase
+    assert high < 60.0 and mid == pytest.approx(30.0, abs=5.0)
+    f = f.update(t + 2.0, 250.0)                # the first tick of a step up
+    assert f.band(4.0)[2] == pytest.approx(250.0, abs=30.0)   # seen at once, not wildly past it
 
 
 def test_forecast_ignores_bad_rates_and_restarts_after_a_gap():
