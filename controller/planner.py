@@ -407,13 +407,15 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
 
 
 def config_correction(state: PlannerState, settings: Settings, default: float, now: float) -> float:
-    """The correction for one candidate: its own ratio from when it was live (bounded), else `default`.
+    """The correction for one candidate: `default` (the recent windows' ratio), or its own ratio from
+    when it was live where that was worse (bounded). Never better than `default`: a ratio from another
+    time (a quieter machine, say) must not make one candidate look cheaper than the others.
 
-    Example: 1 instance at 2000 us was live and ran at 1.3x its prediction: when it is a candidate
-    again, its prediction is multiplied by 1.3, whatever the live configuration's ratio is."""
+    Example: 1 instance at 2000 us was live and ran at 1.3x its prediction; the recent windows say 1.1:
+    when it is a candidate again, its prediction is multiplied by 1.3. Had it run at 0.9x: by 1.1."""
     for s, t, r in state.by_config:
         if s == settings and now - t <= CONFIG_RATIO_MAX_AGE_S:
-            return min(max(r, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1])
+            return max(default, min(max(r, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1]))
     return default
 
 

@@ -294,6 +294,8 @@ def test_a_configuration_remembers_how_far_off_its_own_prediction_was():
     s = record_ratio(s, 52.0, 40.0, "trace", 200, 0.0, live=S(1, 2000))
     s = record_ratio(s, 40.0, 40.0, "trace", 200, 10.0, live=S(2, 0))
     assert planner.config_correction(s, S(1, 2000), 1.0, 20.0) == pytest.approx(1.3)
+    assert planner.config_correction(s, S(1, 2000), 1.4, 20.0) == 1.4          # never better than the recent ratio
+    assert planner.config_correction(s, S(2, 0), 1.2, 20.0) == 1.2            # ran at 1.0: the recent 1.2 holds
     assert planner.config_correction(s, S(4, 0), 1.07, 20.0) == 1.07
     assert planner.config_correction(s, S(1, 2000), 1.0, planner.CONFIG_RATIO_MAX_AGE_S + 1) == 1.0
     s = record_ratio(s, 40.0, 40.0, "trace", 200, 30.0, live=S(1, 2000))     # EWMA towards 1.0
