@@ -8,8 +8,10 @@ before the hot model's next tick sees the freed memory and adds its own (in plac
 memory; a full reload is only allowed by `policy.full_reload_fits`, which counts old + new).
 
 Who donates, in order:
-1. an idle model (the policy's own low-load rule, `policy.is_low`: one instance fewer would still be
-   comfortably enough), lowest priority first: `RebalanceToHotModel`;
+1. an idle model (its planner predicts one instance fewer still meets its target at the upper band of its
+   forecast; without the planner, the policy's low-load rule `policy.is_low`), lowest priority first:
+   `RebalanceToHotModel`. With the planner the hot model is marked as soon as its forecast says its
+   ceiling will not hold, so the instance moves before its queue builds;
 2. failing that, a model of *lower priority* than the hot one even if it is busy: its SLA is given up
    for the higher-priority model's, and the reason says so: `RebalanceToHigherPriority`.
 A model never goes below its `min_instances`, and equal priorities never take from a busy model.
@@ -44,8 +46,14 @@ def _pressure(v: ModelView) -> float:
 
 
 def _idle_enough(v: ModelView) -> bool:
-    """One instance fewer would still leave this model comfortable: the policy's own rule."""
-    return v.obs.valid and is_low(v.obs, v.current, v.limits)
+    """One instance fewer would still leave this model comfortable: its planner predicts so (`spare` in
+    the decision's plan: the fewest instances meeting its target at the upper band of its forecast, under
+    the consolidation margin, are fewer than it has), or, without the planner, the policy's low-load rule."""
+    if not v.obs.valid:
+        return False
+    if v.decision.mode == "model" and v.decision.plan is not None:
+        return v.decision.plan.get("spare", 0) >= 1
+    return is_low(v.obs, v.current, v.limits)
 
 
 def _can_give(v: ModelView) -> bool:

@@ -128,3 +128,22 @@ def test_instances_follow_the_traffic_within_the_budget():
     assert counts["b"] >= 4 and counts["a"] <= 2
     moves = [(m, r) for _, m, r, _ in h2 if r == "RebalanceToHotModel"]
     assert all(m == "a" for m, _ in moves)
+
+
+def planned(name, n, o, spare, reason="HoldPredictedOk") -> ModelView:
+    """A model the planner decided for: `spare` instances it predicts it can do without."""
+    lim = ModelLimits(p99_target_ms=100.0)
+    held_by = Cap.MEMORY if reason == "HoldPredictedNoneMeets" else None
+    return ModelView(name, S(n), Decision(S(n), reason, held_by=held_by, mode="model", plan={"spare": spare}),
+                     o, lim, 64 * MiB)
+
+
+def test_with_the_planner_the_donor_is_whoever_its_model_says_can_spare_one():
+    # a donor still busy by the reactive rule (55% busy, so one fewer would be 110%: not `is_low`), whose
+    # planner predicts one instance fewer meets its target at the upper band of its forecast
+    busyish = obs(busy=0.55, p99=30.0, arrival=150.0)
+    assert not policy.is_low(busyish, S(2), ModelLimits(p99_target_ms=100.0))
+    moves = arbitrate([planned("a", 1, HOT, 0, "HoldPredictedNoneMeets"), planned("b", 2, busyish, 1)])
+    assert moves["b"].reason == "RebalanceToHotModel" and moves["b"].target == S(1) and moves["b"].mode == "arbiter"
+    # and one whose planner says it needs all it has is not a donor, however idle it looks
+    assert arbitrate([planned("a", 1, HOT, 0, "HoldPredictedNoneMeets"), planned("b", 2, IDLE, 0)]) == {}
