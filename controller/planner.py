@@ -1,9 +1,17 @@
-"""A model of the server: what p99 a configuration gives at an arrival rate (pure, no I/O).
+"""The planner: a model of the server, and the choice of instances and delay made from it (pure, no I/O).
 
-Today the controller only *checks* this model: each observation carries the p99 predicted for the
-live configuration at the measured arrival rate (`Observation.predicted_p99_ms`), logged next to the
-measured one, so the bench can say how far prediction and reality are apart before anything decides
-on it (issue 10 builds the choice on top).
+Sections, in the order a decision uses them:
+
+1. `simulate`: what p99 a configuration gives at an arrival rate (below);
+2. `Forecast`: where the arrival rate will be when a change pays off;
+3. `ServiceModel`: s(b) for any instance count (measured, or scaled by contention);
+4. `DeviceShare`, `predict`, `capacity_rps`: one candidate's corrected p99, its capacity;
+5. `choose`: the fewest instances, then the shortest delay, predicted under the target's margin,
+   with consolidation for scale-downs and the fallback to the reactive rules (policy.py calls it).
+
+Each observation also carries the p99 predicted for the live configuration at the measured rate
+(`Observation.predicted_p99_ms`), logged beside the measured one: the ratio of the two corrects
+every prediction, and a large disagreement sets the planner aside.
 
 The model is a small event simulation of Triton's dynamic batcher in front of `n` instances:
 

@@ -57,7 +57,7 @@ class Observation:
     p99_ms: float | None = None           # see observer.ModelObserver: the best figure available
     p99_source: str = "none"              # "trace" | "summary" | "mean_x_tail_ratio" | "interval_mean_max" | "none"
     p99_samples: int = 0                  # with "trace": the sampled requests behind the figure
-    predicted_p99_ms: float | None = None  # planner.simulate for the live config at this arrival rate (checked, not acted on)
+    predicted_p99_ms: float | None = None  # planner.simulate for the live config at this arrival rate (the planner's check)
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
     gpus: tuple[GpuObservation, ...] = ()
     service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config
