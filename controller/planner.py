@@ -543,8 +543,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             return Plan(None, "HoldConsolidationPending", f"{_fmt_settings(chosen.settings)} predicted "
                         f"{chosen.p99_ms:.1f} ms ({ticks}/{CONSOLIDATE_TICKS}); {where}", usable=True, chosen=chosen,
                         state=st, **common)
-        reason = "PlanScaleDown" if best.instance_count < live.instance_count else "PlanDelayDecrease"
-        return Plan(best, reason, f"{_fmt_settings(best)} predicted under {CONSOLIDATE_MARGIN:g}x the target "
+        return Plan(best, change_reason(live, best, "Consolidated"), f"{_fmt_settings(best)} predicted under {CONSOLIDATE_MARGIN:g}x the target "
                     f"{CONSOLIDATE_TICKS} times in a row; {where}", usable=True, chosen=at_hi(best) or chosen,
                     state=dataclasses.replace(keep, reload_s=state.reload_s), **common)
     if chosen is None:
@@ -553,12 +552,22 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         best_c = min(options, key=lambda c: (c.p99_ms, c.settings.max_queue_delay_us), default=None)
         if best_c is None or best_c.settings == live or (live_c is not None and best_c.p99_ms >= 0.9 * live_c.p99_ms):
             return Plan(None, "HoldPredictedNoneMeets", where, usable=True, state=keep, **common)
-        return Plan(best_c.settings, "PlanBestEffort", f"no configuration within the ceiling ({ceiling}) is "
+        return Plan(best_c.settings, change_reason(live, best_c.settings, "BestEffort"), f"no configuration within the ceiling ({ceiling}) is "
                     f"predicted under {MARGIN:g}x the target; {_desc(best_c)}; {where}", usable=True, chosen=best_c,
                     state=keep, **common)
-    reason = "PlanScaleUp" if chosen.settings.instance_count > live.instance_count else (
-        "PlanDelayIncrease" if chosen.settings.max_queue_delay_us > live.max_queue_delay_us else "PlanChange")
-    return Plan(chosen.settings, reason, f"{_desc(chosen)}; {where}", usable=True, chosen=chosen, state=keep, **common)
+    return Plan(chosen.settings, change_reason(live, chosen.settings, "Predicted"), f"{_desc(chosen)}; {where}",
+                usable=True, chosen=chosen, state=keep, **common)
+
+
+def change_reason(live: Settings, target: Settings, how: str) -> str:
+    """The reason of a planned change: what moves (ScaleUp, ScaleDown, DelayIncrease, DelayDecrease: the
+    same words as the reactive rules', so a log reader finds every scale-up) and why (`how`: Predicted,
+    Consolidated, BestEffort). Example: 1x0us -> 3x0us predicted: "ScaleUpPredicted"."""
+    if target.instance_count != live.instance_count:
+        what = "ScaleUp" if target.instance_count > live.instance_count else "ScaleDown"
+    else:
+        what = "DelayIncrease" if target.max_queue_delay_us > live.max_queue_delay_us else "DelayDecrease"
+    return what + how
 
 
 def capacities(live: Settings, inputs: PlanInputs, state: PlannerState, *, target_ms: float, min_instances: int,

@@ -436,7 +436,7 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
               "live": None if plan.live is None else plan.live.as_dict(),
               "chosen": None if plan.chosen is None else plan.chosen.as_dict(),
               "spare": spare}
-    held_by = cap if plan.reason in ("HoldPredictedNoneMeets", "PlanBestEffort") else None
+    held_by = cap if plan.reason == "HoldPredictedNoneMeets" or plan.reason.endswith("BestEffort") else None
     target, reason, detail = plan.target, plan.reason, plan.detail
     if target is not None and target.instance_count != n and now - state.last_change_at < limits.scale_up_cooldown_s:
         target, reason = None, "HoldCooldown"

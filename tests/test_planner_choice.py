@@ -123,6 +123,13 @@ def test_device_share_docstring_example():
     assert d.load(400, 1.0) == pytest.approx(0.9)
 
 
+def test_change_reasons_use_the_reactive_rules_words():
+    assert planner.change_reason(S(1), S(3), "Predicted") == "ScaleUpPredicted"
+    assert planner.change_reason(S(4, 2000), S(2, 0), "Consolidated") == "ScaleDownConsolidated"
+    assert planner.change_reason(S(2, 0), S(2, 2000), "BestEffort") == "DelayIncreaseBestEffort"
+    assert planner.change_reason(S(2, 2000), S(2, 0), "Consolidated") == "DelayDecreaseConsolidated"
+
+
 def test_delay_grid():
     assert delay_grid(0, 10_000, 0) == [0, 500, 2000, 8000, 10_000]
     assert delay_grid(0, 10_000, 4000) == [0, 500, 2000, 4000, 8000, 10_000]
@@ -134,7 +141,7 @@ def test_delay_grid():
 
 def test_scale_up_jumps_to_the_fewest_instances_that_meet_the_target():
     p = run(S(1), 700.0, inputs(1, 2), target=25.0)
-    assert p.usable and p.reason == "PlanScaleUp"
+    assert p.usable and p.reason == "ScaleUpPredicted"
     assert p.target.instance_count >= 3 and p.chosen.p99_ms <= 0.9 * 25.0
     fewer = run(S(1), 700.0, inputs(1, 2), target=25.0, ceiling=p.target.instance_count - 1)
     assert fewer.target is None or fewer.target.instance_count < p.target.instance_count
@@ -152,7 +159,7 @@ def test_consolidation_needs_several_checks_in_a_row_then_may_drop_several_insta
         assert p.reason == "HoldConsolidationPending" and p.target is None
         state = p.state
     p = run(S(4), 60.0, inputs(1, 2, 4), state, now=now + CONSOLIDATE_TICKS)
-    assert p.reason == "PlanScaleDown" and p.target == S(1)
+    assert p.reason == "ScaleDownConsolidated" and p.target == S(1)
 
 
 def test_consolidation_streak_breaks_when_the_smaller_config_stops_fitting():
@@ -167,7 +174,7 @@ def test_the_delay_returns_to_zero_off_peak():
     for k in range(CONSOLIDATE_TICKS):
         p = run(S(1, 4000), 30.0, inputs(1), state, now=100.0 + k)
         state = p.state
-    assert p.reason == "PlanDelayDecrease" and p.target == S(1, 0)
+    assert p.reason == "DelayDecreaseConsolidated" and p.target == S(1, 0)
 
 
 def test_a_delay_is_chosen_where_the_device_is_the_limit_with_small_batches():
@@ -178,13 +185,13 @@ def test_a_delay_is_chosen_where_the_device_is_the_limit_with_small_batches():
     assert no_delay.reason == "HoldPredictedNoneMeets" and not math.isfinite(no_delay.live.p99_ms)
     assert no_delay.live.device_load > planner.DEVICE_LIMIT
     p = run(S(1), 240.0, inp, ceiling=1, util=0.97, batch=2.66)
-    assert p.reason == "PlanDelayIncrease" and p.target.max_queue_delay_us > 0
+    assert p.reason == "DelayIncreasePredicted" and p.target.max_queue_delay_us > 0
     assert p.chosen.device_load <= planner.DEVICE_LIMIT
 
 
 def test_nothing_meets_moves_to_the_best_predicted_within_the_ceiling():
     p = run(S(1), 2000.0, inputs(1, 2), ceiling=3, target=10.0, delay_allowed=False)
-    assert p.usable and p.reason in ("PlanBestEffort", "HoldPredictedNoneMeets")
+    assert p.usable and (p.reason.endswith("BestEffort") or p.reason == "HoldPredictedNoneMeets")
     if p.target is not None:
         assert p.target.instance_count <= 3
 
@@ -239,7 +246,7 @@ def decide(o: Observation, current: Settings, st_: policy.PolicyState | None = N
 
 def test_policy_uses_the_model_and_logs_what_it_predicted():
     d, s = decide(obs(700.0), S(1), lim=dataclasses.replace(LIMITS, p99_target_ms=25.0))
-    assert d.mode == "model" and d.reason == "PlanScaleUp" and d.target.instance_count >= 3
+    assert d.mode == "model" and d.reason == "ScaleUpPredicted" and d.target.instance_count >= 3
     assert d.plan["chosen"]["instances"] == d.target.instance_count and d.plan["live"]["instances"] == 1
 
 
