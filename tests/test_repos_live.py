@@ -21,7 +21,7 @@ from conftest import ROOT, start_server
 from controller import groups
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
-from controller.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.loop import Controller
 
 SIM = ROOT / "model_repository" / "sim_accel"
