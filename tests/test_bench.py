@@ -400,3 +400,17 @@ def test_signal_targets_say_missed_when_a_phase_reads_wrong():
     assert targets["p99_within_20pct_every_busy_phase"] == {"value": "1/2", "met": False}
     assert targets["max_step_follow_s"]["met"] is False and targets["max_step_follow_s"]["value"] == "never"
     assert targets["trace_share_busy"]["met"] is True
+
+
+def test_scale_up_lag_behind_the_oracle_docstring_example():
+    from controller.evaluation.bench import scale_up_lags
+    oracle = [{"t": 0.0, "instances": 1}, {"t": 25.0, "instances": 2}, {"t": 115.0, "instances": 1}]
+    late = [{"t": 0.0, "instances": 1}, {"t": 46.0, "instances": 2}, {"t": 150.0, "instances": 1}]
+    early = [{"t": 0.0, "instances": 1}, {"t": 20.0, "instances": 2}]
+    never = [{"t": 0.0, "instances": 1}, {"t": 130.0, "instances": 2}]
+    assert scale_up_lags(late, oracle, 180.0) == [{"at_s": 25.0, "oracle_instances": 2, "lag_s": 21.0}]
+    assert scale_up_lags(early, oracle, 180.0)[0]["lag_s"] == 0.0
+    assert scale_up_lags(never, oracle, 180.0)[0]["lag_s"] is None          # not before the oracle went back
+    assert scale_up_lags(late, [{"t": 0.0, "instances": 2}], 180.0) == []    # the oracle never scales up
+    failed = late[:1] + [{"t": 30.0, "instances": 2, "ok": False}] + late[1:]
+    assert scale_up_lags(failed, oracle, 180.0)[0]["lag_s"] == 21.0          # a failed change does not count

@@ -202,6 +202,39 @@ def reaction_times(steps: Sequence[dict], adaptive_bins: Sequence[dict], oracle_
     return out
 
 
+def scale_up_lags(adaptive_events: Sequence[dict], oracle_events: Sequence[dict], duration_s: float) -> list[dict]:
+    """Per scale-up of the oracle (its instance count rising to n at t_o): seconds from t_o until the
+    adaptive arm runs >= n instances (0 when it already did, negative never: being early is 0), or None
+    if it never does before the oracle changes again. Issue 10's "first scale-up within 10 s of the
+    oracle's" on every rising step or ramp.
+
+    Example: the oracle goes 1 -> 2 at 25 s and 2 -> 1 at 115 s; the adaptive arm goes 1 -> 2 at 46 s:
+    one lag, 21 s. Had it gone to 2 at 20 s: 0.
+    """
+    def count_at(events: Sequence[dict], t: float) -> int:
+        n = events[0]["instances"]
+        for e in events:
+            if e["t"] <= t + 1e-9 and e.get("ok", True):
+                n = e["instances"]
+        return n
+
+    ok_oracle = [e for e in oracle_events if e.get("ok", True)]
+    ok_adaptive = sorted((e for e in adaptive_events if e.get("ok", True)), key=lambda e: e["t"])
+    out = []
+    for k, e in enumerate(ok_oracle[1:], start=1):
+        before = ok_oracle[k - 1]["instances"]
+        if e["instances"] <= before:
+            continue
+        t_o, n = max(0.0, e["t"]), e["instances"]
+        until = next((x["t"] for x in ok_oracle[k + 1:] if x["instances"] != n), duration_s)
+        if count_at(ok_adaptive, t_o) >= n:
+            lag = 0.0
+        else:
+            lag = next((round(x["t"] - t_o, 2) for x in ok_adaptive if t_o < x["t"] < until and x["instances"] >= n), None)
+        out.append({"at_s": round(t_o, 2), "oracle_instances": n, "lag_s": lag})
+    return out
+
+
 def first_good_config_s(bins: Sequence[dict], sla_ms: float) -> float | None:
     """End of the first bin with load whose p99 meets the SLA and with no failure (cold start = 0)."""
     for b in bins:
@@ -503,6 +536,9 @@ def summarize_bench(arms: dict[str, dict], bins: dict[str, list[dict]], trace: T
         summary["reaction_s"] = reaction_times(steps, bins["adaptive"], bins["oracle"], trace.duration_s)
     else:
         summary["reaction_s"] = [{**s, "reaction_s": None} for s in steps]
+    if "adaptive" in arms and "oracle" in arms:
+        summary["scale_up_lag_s"] = scale_up_lags(arms["adaptive"]["changes"], arms["oracle"]["changes"],
+                                                  trace.duration_s)
     summary["first_good_config_s"] = first_good_config_s(bins["adaptive"], sla_ms) if "adaptive" in bins else None
     summary["controller_cpu_pct"] = arms.get("adaptive", {}).get("controller", {}).get("cpu_pct")
     summary["targets"] = evaluate_targets(summary)
@@ -548,6 +584,10 @@ def format_summary(summary: dict) -> str:
     lines.append("reaction_s: " + ("not measured (needs the adaptive and oracle arms)" if not measured else ", ".join(f"{r['from_phase']}->{r['to_phase']} ({r['from_rps']:g}->{r['to_rps']:g}/s) "
                                              f"{_f(r['reaction_s'], '{:.0f}') if r['reaction_s'] is not None else 'never'}"
                                              for r in summary["reaction_s"]) or "no step changes"))
+    if summary.get("scale_up_lag_s") is not None:
+        lines.append("scale-up lag behind the oracle (s): " + (", ".join(
+            f"at {x['at_s']:g} s to {x['oracle_instances']} inst: {_f(x['lag_s'], '{:.0f}') if x['lag_s'] is not None else 'never'}"
+            for x in summary["scale_up_lag_s"]) or "the oracle never scales up"))
     lines.append(f"first_good_config_s: {_f(summary['first_good_config_s'], '{:.0f}')}, "
                  f"controller_cpu_pct: {_f(summary['controller_cpu_pct'], '{:.2f}')}")
     if summary.get("signal"):
