@@ -506,29 +506,33 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             cache[s] = predict(s, hi, model, mb, own, limit, device)
         return cache[s]
 
+    def fewest(under_ms: float) -> Candidate | None:
+        """The fewest instances, then the shortest delay, predicted under `under_ms`."""
+        for n in range(min_instances, max(ceiling, min_instances) + 1):
+            shortest = at_hi(Settings(n, delays[0]))
+            # why: at a stable shortest delay far over the limit no delay rescues this count (a delay moves
+            # p99 by the batching it adds, a fraction of it); skipping those saves most of the simulations
+            hopeless = shortest is not None and math.isfinite(shortest.p99_ms) and shortest.p99_ms > 2 * under_ms
+            for d in delays[:1] if hopeless else delays:
+                c = at_hi(Settings(n, d))
+                if c is None or c.p99_ms > under_ms:
+                    continue
+                # why: a longer delay costs a full reload and adds latency when the load falls; it is chosen
+                # over the shortest only for a clear predicted gain, not for noise in the last digits
+                if d == delays[0] or shortest is None or c.p99_ms <= DELAY_MIN_GAIN * shortest.p99_ms:
+                    return c
+        return None
+
     live_c = at_hi(live)
-    chosen = None
-    for n in range(min_instances, max(ceiling, min_instances) + 1):
-        shortest = at_hi(Settings(n, delays[0]))
-        # why: at a stable shortest delay far over the limit no delay rescues this count (a delay moves
-        # p99 by the batching it adds, a fraction of it); skipping those saves most of the simulations
-        hopeless = shortest is not None and math.isfinite(shortest.p99_ms) and shortest.p99_ms > 2 * limit
-        for d in delays[:1] if hopeless else delays:
-            c = at_hi(Settings(n, d))
-            if c is None or not c.meets:
-                continue
-            # why: a longer delay costs a full reload and adds latency when the load falls; it is chosen
-            # over the shortest only for a clear predicted gain, not for noise in the last digits
-            if d == delays[0] or shortest is None or c.p99_ms <= DELAY_MIN_GAIN * shortest.p99_ms:
-                chosen = c
-                break
-        if chosen is not None:
-            break
+    chosen = fewest(limit)
     common = dict(live=live_c, band=band, correction=factor)
     where = (f"forecast {band[0]:.0f}-{band[2]:.0f} req/s in {horizon:.1f} s; live {_desc(live_c)}; "
              f"gamma {model.gamma:.2f} ({model.gamma_source}), correction {factor:.2f}")
     keep = dataclasses.replace(state, smaller_since=None, smaller_ticks=0, smaller_best=None)
     if live_c is not None and live_c.meets:
+        # consolidation: the fewest predicted under the stricter margin (not the fewest under 0.9x: that one
+        # may sit just above 0.8x while a count between it and the live one fits well)
+        chosen = fewest(CONSOLIDATE_MARGIN * target_ms) or chosen
         smaller = chosen is not None and (chosen.settings.instance_count < live.instance_count or (
             chosen.settings.instance_count == live.instance_count
             and chosen.settings.max_queue_delay_us < live.max_queue_delay_us))

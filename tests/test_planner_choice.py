@@ -165,7 +165,7 @@ def test_consolidation_needs_several_checks_in_a_row_then_may_drop_several_insta
 def test_consolidation_streak_breaks_when_the_smaller_config_stops_fitting():
     p = run(S(3), 60.0, inputs(1, 3))
     assert p.reason == "HoldConsolidationPending"
-    busy = run(S(3), 560.0, inputs(1, 3), p.state)
+    busy = run(S(3), 650.0, inputs(1, 3), p.state)
     assert busy.state.smaller_ticks == 0
 
 
@@ -357,3 +357,16 @@ def test_ramp_scenario_scales_up_ahead_of_the_queue_and_down_by_consolidation_wi
     assert current.instance_count == 1                                  # back to one at 40 req/s
     assert len(changes) <= 6, changes                                   # no flapping
     assert max(c[2].instance_count for c in ups) <= lim.max_instances
+
+
+def test_consolidation_goes_to_the_fewest_under_the_stricter_margin_not_to_the_fewest_under_the_looser():
+    # at this load 1 instance sits between 0.8x and 0.9x of the target (the choice under 0.9x), 2 well
+    # under 0.8x: from 4 instances the consolidation goes to 2, not nowhere
+    inp, state, rate = inputs(1, 2, 4), PlannerState(), 280.0
+    model = ServiceModel.build(inp.fits, None)
+    assert 32.0 < planner.predict(S(1), rate * 1.1, model, 32, 1.0, 36.0).p99_ms <= 36.0
+    assert planner.predict(S(2), rate * 1.1, model, 32, 1.0, 36.0).p99_ms <= 32.0
+    for k in range(CONSOLIDATE_TICKS):
+        p = run(S(4), rate, inp, state, now=100.0 + k)
+        state = p.state
+    assert p.reason == "ScaleDownConsolidated" and p.target.instance_count == 2
