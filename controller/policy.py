@@ -438,6 +438,10 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
               "spare": spare}
     held_by = cap if plan.reason == "HoldPredictedNoneMeets" or plan.reason.endswith("BestEffort") else None
     target, reason, detail = plan.target, plan.reason, plan.detail
+    if plan.reason == "HoldPredictedNoneMeets":
+        # why: nothing within the ceiling is predicted to meet the target: say which ceiling holds it
+        # (HoldMemoryCap, HoldLearnedMax, HoldAtMax, HoldSaturated), as the reactive rules do
+        reason, detail = cap.hold_reason, f"none of up to {ceiling} instance(s) is predicted under the target; {detail}"
     if target is not None and target.instance_count != n and now - state.last_change_at < limits.scale_up_cooldown_s:
         target, reason = None, "HoldCooldown"
     if target is None or target == current:

@@ -117,11 +117,14 @@ def test_failed_reload_keeps_the_old_config_learns_the_limit_and_backs_off(tmp_p
     records = _records(log_path)
     summary = [(r["t"], r["action"], r["reason"]) for r in records]
     failed = [r for r in records if r["action"] == "failed"]
-    # one attempt at 3 instances, refused by the model's initialize(); never retried in a loop
-    assert len(failed) == 1, summary
-    assert failed[0]["target"]["instances"] == 3
-    assert "simulated out of device memory" in failed[0]["error"]
-    assert failed[0]["live"] == {"instances": 2, "delay_us": 0}
+    # attempts above 2 instances, refused by the model's initialize(); never retried in a loop: a jump
+    # (the planner may ask for 4 at once) that fails teaches "at most target - 1", so at most one more
+    # attempt (3) follows, after the backoff
+    assert 1 <= len(failed) <= 2, summary
+    assert [r["target"]["instances"] for r in failed] == sorted((r["target"]["instances"] for r in failed), reverse=True)
+    assert all(r["target"]["instances"] > 2 and "simulated out of device memory" in r["error"]
+               and r["live"] == {"instances": 2, "delay_us": 0} for r in failed), failed
+    assert len(failed) == 1 or failed[1]["t"] >= failed[0]["t"] + backoff_s - 0.01
     assert not [r for r in records if r["action"] == "applied"], summary
     # the last good config keeps serving, and every request succeeded
     assert live == Settings(2, 0) and ready
@@ -129,16 +132,16 @@ def test_failed_reload_keeps_the_old_config_learns_the_limit_and_backs_off(tmp_p
     bad = [r for r in results if not r.ok]
     assert results and not bad, bad[:3]
     # backoff, then the learned maximum holds it at 2
-    after = [r for r in records if r["t"] > failed[0]["t"]]
+    after = [r for r in records if r["t"] > failed[-1]["t"]]
     assert after and after[0]["reason"] == "HoldBackoff", summary
-    assert all(r["reason"] == "HoldBackoff" for r in after if r["t"] < failed[0]["t"] + backoff_s - 0.01), summary
-    later = [r["reason"] for r in after if r["t"] >= failed[0]["t"] + backoff_s - 0.01]
+    assert all(r["reason"] == "HoldBackoff" for r in after if r["t"] < failed[-1]["t"] + backoff_s - 0.01), summary
+    later = [r["reason"] for r in after if r["t"] >= failed[-1]["t"] + backoff_s - 0.01]
     assert "HoldLearnedMax" in later, summary
-    assert mm.state.learned_max_instances == 2
+    assert mm.state.learned_max_instances == failed[-1]["target"]["instances"] - 1 >= 2   # what the last failure taught
     # the reason is in the log, once, and nothing crashed
     warnings = [r.getMessage() for r in caplog.records if "failed" in r.getMessage() and r.levelno == logging.WARNING
                 and r.name == "controller.loop"]
-    assert len(warnings) == 1 and "simulated out of device memory" in warnings[0], warnings
+    assert len(warnings) == len(failed) and all("simulated out of device memory" in w for w in warnings), warnings
     _no_traceback(caplog)
 
 
