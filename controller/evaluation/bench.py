@@ -560,11 +560,12 @@ def _f(x, fmt="{:.1f}") -> str:
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"{'arm':<12} {'goodput/s':>9} {'p99_ms':>8} {'worst phase p99':>16} {'failed':>6} "
+    w = max([12] + [len(n) for n in summary["arms"]])       # model_analyzer is 14 characters
+    lines = [f"{'arm':<{w}} {'goodput/s':>9} {'p99_ms':>8} {'worst phase p99':>16} {'failed':>6} "
              f"{'inst-s':>8} {'mean inst':>9} {'reloads':>8}"]
     for name, a in summary["arms"].items():
         worst = max(((v, k) for k, v in a["p99_ms_by_phase"].items() if v is not None), default=(None, ""))
-        lines.append(f"{name:<12} {a['goodput_rps']:>9.1f} {_f(a['p99_ms']):>8} "
+        lines.append(f"{name:<{w}} {a['goodput_rps']:>9.1f} {_f(a['p99_ms']):>8} "
                      f"{(_f(worst[0]) + ' ' + worst[1])[:16]:>16} {a['failed_requests']:>6} "
                      f"{a['instance_seconds']:>8.0f} {a['mean_instances']:>9.2f} "
                      f"{a['reloads']:>3} ({a['full_reloads']}f)")
