@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the controller's gpu source (default: simulated for sim_accel, else auto)")
     b.add_argument("--instances", type=_bounded_list(int, 1, 64), default=[1, 2, 4, 6], help="sweep instance counts when no --sweep (default 1,2,4,6)")
     b.add_argument("--delays-us", type=_bounded_list(int, 0, 1_000_000), default=[0, 2000], help="sweep delays when no --sweep (default 0,2000)")
+    b.add_argument("--model-analyzer", type=Path, metavar="FILE",
+                   help="model_analyzer.json from scripts/model_analyzer.sh: adds the static arm model_analyzer at its pick")
     b.add_argument("--sweep-seconds", type=_bounded(float, 0.5, 600.0), default=4.0, help="measured seconds per sweep cell when no --sweep (default 4)")
 
     so = sub.add_parser("soak", help="apply N reloads (alternately in place and full) under open-loop load; count lost requests")
@@ -495,6 +497,8 @@ def cmd_bench(args) -> int:
     from .evaluation.bench_multi import MultiBenchError, is_multi_model_scenario, run_bench_multi
     try:
         if is_multi_model_scenario(args.scenario):
+            if args.model_analyzer is not None:
+                raise UsageError("--model-analyzer: only for a one-model scenario")
             return run_bench_multi(args)      # two models sharing one device and memory budget
         return run_bench(args)
     except (BenchError, MultiBenchError) as e:

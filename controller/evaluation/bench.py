@@ -13,6 +13,9 @@ Arms:
                hindsight reference, not a deployable policy.
   adaptive     the controller as a separate process (`python -m controller run`), starting from
                the default 1 instance / 0 us; its CPU is read from /proc/<pid>/stat.
+  model_analyzer  (only with `--model-analyzer FILE`) Triton Model Analyzer's pick, found offline by
+               scripts/model_analyzer.sh (model_analyzer.json), held static for the whole trace; its
+               offline wall time is compared with the adaptive arm's first_good_config_s (time-to-tuned).
 
 Predictions from the sweep (pure, see `predicted_phase_goodput`): for each config, the fraction
 of offered load served within the SLA is interpolated linearly in the offered rate between the
@@ -45,6 +48,7 @@ from .arm import run_arm as run_shared_arm
 from .loadgen import Trace, load_trace, poisson_schedule, summarize
 
 ARMS = ("default", "best_static", "oracle", "adaptive")
+MA_ARM = "model_analyzer"                  # the fifth arm, run only when a model_analyzer.json is given
 DEFAULT_SETTINGS = Settings(1, 0)          # Triton's defaults for sim_accel: 1 instance, no batching delay
 TIE_TOLERANCE = 0.01                       # predicted goodput within 1% of the best is a tie
 PREDICTION_STEP_S = 0.5                    # sampling step of rate(t) inside a phase
@@ -357,6 +361,10 @@ def bench_ratios(arms: dict[str, dict]) -> dict[str, float | None]:
         "adaptive_vs_oracle": ratio(ad, g.get("oracle")),
         "instance_seconds_adaptive_vs_best_static": ratio(arms.get("adaptive", {}).get("instance_seconds"),
                                                           arms.get("best_static", {}).get("instance_seconds")),
+        **({} if MA_ARM not in arms else {
+            "adaptive_vs_model_analyzer": ratio(ad, g.get(MA_ARM)),
+            "instance_seconds_adaptive_vs_model_analyzer": ratio(arms.get("adaptive", {}).get("instance_seconds"),
+                                                                 arms[MA_ARM].get("instance_seconds"))}),
     }
 
 
@@ -370,7 +378,7 @@ def evaluate_targets(summary: dict) -> dict[str, dict]:
         **{k: r.get(k) for k in ("adaptive_vs_default", "adaptive_vs_best_static",
                                  "instance_seconds_adaptive_vs_best_static", "adaptive_vs_oracle")},
         "failed_requests_every_arm": (sum(a["failed_requests"] for a in arms.values())
-                                      if len(arms) == len(ARMS) else None),
+                                      if all(a in arms for a in ARMS) else None),
         # a step the adaptive arm never caught up with counts as infinitely slow
         "max_reaction_s": (None if "adaptive" not in arms or "oracle" not in arms else
                            (math.inf if any(v is None for v in reaction_values) else max(reaction_values, default=0.0))),
@@ -410,6 +418,7 @@ class BenchOptions:
     sweep_seconds: float = 4.0
     controller_gpu: str | None = None      # None: "simulated" for sim_accel, else "auto"
     controller_scale_down_delay_s: float | None = None   # None: the controller's default
+    model_analyzer: Path | None = None     # model_analyzer.json: adds the static arm `model_analyzer` at MA's pick
 
 
 class _OracleSwitcher(threading.Thread):
@@ -456,6 +465,22 @@ def _controller_spec(opts: BenchOptions, trace: Trace) -> ControllerSpec:
                   "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto")},
         models={opts.model: limits}, observation_log=True,
         duration_s=controller_run_s(trace.duration_s))
+
+
+def load_model_analyzer(path: Path, model: str, sla_ms: float) -> tuple[Settings, dict]:
+    """MA's pick from model_analyzer.json, checked against the bench's model and SLA (BenchError if not usable)."""
+    from .model_analyzer import ModelAnalyzerError, load_pick
+
+    try:
+        pick, doc = load_pick(path)
+    except ModelAnalyzerError as e:
+        raise BenchError(str(e)) from None
+    if doc.get("model", model) != model:
+        raise BenchError(f"{path} is Model Analyzer's pick for model {doc['model']!r}, the bench runs {model!r}")
+    if doc.get("sla_ms") is not None and abs(float(doc["sla_ms"]) - sla_ms) > 1e-9:
+        raise BenchError(f"{path} was searched under a {doc['sla_ms']:g} ms p99 constraint, the bench asks "
+                         f"{sla_ms:g} ms: rerun scripts/model_analyzer.sh with SLA_MS={sla_ms:g}")
+    return pick, doc
 
 
 def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, initial: Settings,
@@ -571,11 +596,12 @@ def _f(x, fmt="{:.1f}") -> str:
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"{'arm':<12} {'goodput/s':>9} {'p99_ms':>8} {'worst phase p99':>16} {'failed':>6} "
+    w = max([12] + [len(n) for n in summary["arms"]])       # model_analyzer is 14 characters
+    lines = [f"{'arm':<{w}} {'goodput/s':>9} {'p99_ms':>8} {'worst phase p99':>16} {'failed':>6} "
              f"{'inst-s':>8} {'mean inst':>9} {'reloads':>8}"]
     for name, a in summary["arms"].items():
         worst = max(((v, k) for k, v in a["p99_ms_by_phase"].items() if v is not None), default=(None, ""))
-        lines.append(f"{name:<12} {a['goodput_rps']:>9.1f} {_f(a['p99_ms']):>8} "
+        lines.append(f"{name:<{w}} {a['goodput_rps']:>9.1f} {_f(a['p99_ms']):>8} "
                      f"{(_f(worst[0]) + ' ' + worst[1])[:16]:>16} {a['failed_requests']:>6} "
                      f"{a['instance_seconds']:>8.0f} {a['mean_instances']:>9.2f} "
                      f"{a['reloads']:>3} ({a['full_reloads']}f)")
@@ -590,6 +616,9 @@ def format_summary(summary: dict) -> str:
             for x in summary["scale_up_lag_s"]) or "the oracle never scales up"))
     lines.append(f"first_good_config_s: {_f(summary['first_good_config_s'], '{:.0f}')}, "
                  f"controller_cpu_pct: {_f(summary['controller_cpu_pct'], '{:.2f}')}")
+    if summary.get("model_analyzer"):
+        from .model_analyzer import model_analyzer_lines
+        lines.extend(model_analyzer_lines(summary))
     if summary.get("signal"):
         lines.append("controller p99 reading vs client p99 (median |error| per phase, trace share): " + ", ".join(
             f"{k} {_f(v['controller_p99_ms'])}/{_f(v['client_p99_ms'])} ms "
@@ -611,7 +640,8 @@ def plot_timeline(trace: Trace, summary: dict, bins: dict[str, list[dict]], path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"default": "tab:gray", "best_static": "tab:blue", "oracle": "tab:green", "adaptive": "tab:red"}
+    colors = {"default": "tab:gray", "best_static": "tab:blue", "oracle": "tab:green", "adaptive": "tab:red",
+              MA_ARM: "tab:purple"}
     fig, axes = plt.subplots(5, 1, figsize=(11, 12), sharex=True)
     t_fine = np.linspace(0, trace.duration_s, 2000, endpoint=False)
     axes[0].plot(t_fine, [trace.rate_at(t) for t in t_fine], color="black", linewidth=1, label="trace rate")
@@ -695,6 +725,11 @@ def bench(opts: BenchOptions) -> dict:
                              f"{opts.sla_ms:g} ms: rerun the sweep or pass --sla-ms {doc['sla_ms']:g}")
         if doc.get("model", opts.model) != opts.model:
             raise BenchError(f"the sweep {sweep_path} is of model {doc['model']!r}, the bench runs {opts.model!r}")
+    ma_pick, ma_doc = (None, None)
+    if opts.model_analyzer is not None:
+        ma_pick, ma_doc = load_model_analyzer(opts.model_analyzer, opts.model, opts.sla_ms)
+        _log(f"model_analyzer: {ma_pick.instance_count} inst, {ma_pick.max_queue_delay_us} us "
+             f"(Model Analyzer's pick, {ma_doc['wall_s']:.0f} s offline)")
     best_static = choose_best_static(cells, trace) if cells else None
     oracle = choose_oracle(cells, trace) if cells else None
     schedule = poisson_schedule(trace, opts.seed, SCHEDULE_MAX_REQUESTS)
@@ -710,7 +745,7 @@ def bench(opts: BenchOptions) -> dict:
     bins: dict[str, list[dict]] = {}
     arms_dir = opts.out / "arms"
     arms_dir.mkdir(exist_ok=True)
-    for arm in [a for a in ARMS if a in opts.arms]:
+    for arm in [a for a in ARMS if a in opts.arms] + ([MA_ARM] if ma_pick is not None else []):
         t = time.monotonic()
         _log(f"arm {arm}: starting a fresh server ...")
         if arm == "best_static":
@@ -718,6 +753,8 @@ def bench(opts: BenchOptions) -> dict:
         elif arm == "oracle":
             plan = [(p.start_s, s) for p, (s, _) in zip(trace.phases, oracle)]
             run = run_arm(arm, trace, schedule, opts, plan[0][1], oracle_plan=plan)
+        elif arm == MA_ARM:
+            run = run_arm(arm, trace, schedule, opts, ma_pick)
         else:
             run = run_arm(arm, trace, schedule, opts, DEFAULT_SETTINGS)
         arms[arm], bins[arm] = arm_summary(arm, run, trace, opts.sla_ms)
@@ -736,6 +773,9 @@ def bench(opts: BenchOptions) -> dict:
                     "delay_us": s.max_queue_delay_us, "predicted_goodput_rps": round(g, 2)}
                    for p, (s, g) in zip(trace.phases, oracle)],
                **summarize_bench(arms, bins, trace, opts.sla_ms)}
+    if ma_doc is not None:
+        from .model_analyzer import summary_entry
+        summary.update(summary_entry(ma_doc, str(opts.model_analyzer)))
     (opts.out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_timeline(trace, summary, bins, opts.out / "timeline.png", opts.sla_ms)
     return summary
@@ -743,7 +783,7 @@ def bench(opts: BenchOptions) -> dict:
 
 def run_bench(args) -> int:
     """The `bench` verb: options from argparse, the table on stdout."""
-    for p in (args.scenario, args.sweep):
+    for p in (args.scenario, args.sweep, getattr(args, "model_analyzer", None)):
         if p is not None and not Path(p).is_file():
             raise BenchError(f"{p}: no such file")
     opts = BenchOptions(scenario=args.scenario, out=args.out, sweep=args.sweep, sla_ms=args.sla_ms, model=args.model,
@@ -752,7 +792,8 @@ def run_bench(args) -> int:
                         controller_window_s=args.controller_window_s, instances=args.instances,
                         delays_us=args.delays_us, sweep_seconds=args.sweep_seconds,
                         controller_gpu=args.controller_gpu,
-                        controller_scale_down_delay_s=args.controller_scale_down_delay_s)
+                        controller_scale_down_delay_s=args.controller_scale_down_delay_s,
+                        model_analyzer=getattr(args, "model_analyzer", None))
     summary = bench(opts)
     print(format_summary(summary))
     print(f"wrote {opts.out / 'summary.json'} and {opts.out / 'timeline.png'}")
