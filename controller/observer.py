@@ -37,7 +37,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .planner import SIM_REQUESTS, Forecast, PlanInputs, simulate
+from .planner import Forecast, PlanInputs, simulate_quantised
 from .service import ServiceTimes
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceWindow, choose_sampling, needs_change
@@ -130,9 +130,9 @@ class ModelObserver:
         obs = self._latency(obs, now)
         if obs.valid:
             fit = self.service.fit(live)
-            predicted = None if fit is None else simulate(obs.arrival_rps, live.instance_count,
-                                                          live.max_queue_delay_us, max(1, max_batch_size), fit.predict_ms,
-                                                          requests=SIM_REQUESTS)
+            predicted = None if fit is None else simulate_quantised(obs.arrival_rps, live.instance_count,
+                                                                    live.max_queue_delay_us, max(1, max_batch_size),
+                                                                    fit.predict_ms)
             obs = dataclasses.replace(obs, service=fit, predicted_p99_ms=None if predicted is None else predicted.p99_ms)
         self.last = obs
         return obs

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -311,6 +311,48 @@ class Candidate:
                 "device_load": r(self.device_load, 3)}
 
 
+QUANTUM = 0.01               # rates and service times are simulated on a 1% grid ...
+MEMO_SIZE = 2048             # ... so that the same quantised inputs reuse a simulation (a few ms each)
+_memo: "OrderedDict[tuple, Prediction | None]" = OrderedDict()
+
+
+def _q(x: float) -> float:
+    """`x` (> 0) on the 1% logarithmic grid. Example: 101.3 -> 101.28 (1.01 ** 464), 0 stays 0."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    return 1.01 ** round(math.log(x) / math.log(1.01))
+
+
+def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
+                       service_ms: Callable[[int], float]) -> Prediction | None:
+    """`simulate` on the 1% grid, remembered: the rate and the service curve (at b = 1, 2, 4, ... and
+    `max_batch`, joined by straight lines) are rounded to 1%, so that the answer depends only on the
+    rounded inputs and a tick that sees the same load as the last reuses its simulations. The curves
+    are lines (service.py), so the rounded curve is within 1% of the measured one everywhere.
+    Example: rates 300.0 and 301.5 req/s fall on the same grid point (300.3); 306 does not."""
+    mb = max(1, int(max_batch))
+    points = sorted({1, mb} | {2 ** k for k in range(1, 16) if 2 ** k < mb})
+    values = tuple(_q(max(0.0, float(service_ms(b)))) for b in points)
+    key = (_q(arrival_rps), instances, int(delay_us), mb, values)
+    if key in _memo:
+        _memo.move_to_end(key)
+        return _memo[key]
+
+    def line(b: float) -> float:
+        if b <= points[0]:
+            return values[0]
+        for (b0, v0), (b1, v1) in zip(zip(points, values), zip(points[1:], values[1:])):
+            if b <= b1:
+                return v0 + (v1 - v0) * (b - b0) / (b1 - b0)
+        return values[-1]
+
+    result = simulate(key[0], instances, delay_us, mb, line, requests=SIM_REQUESTS)
+    _memo[key] = result
+    if len(_memo) > MEMO_SIZE:
+        _memo.popitem(last=False)
+    return result
+
+
 def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_batch: int, correction: float,
             limit_ms: float, device: DeviceShare | None = None) -> Candidate | None:
     """One candidate's corrected p99 at `arrival_rps`; None without a service curve for it."""
@@ -320,8 +362,7 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
     if arrival_rps < 0.01:       # why: no load to speak of (and 1/rate would overflow): a lone request
         s1 = curve(1)
         return Candidate(settings, arrival_rps, s1 * correction, s1, 1.0, 0.0, s1 * correction <= limit_ms)
-    sim = simulate(arrival_rps, settings.instance_count, settings.max_queue_delay_us, max_batch, curve,
-                   requests=SIM_REQUESTS)
+    sim = simulate_quantised(arrival_rps, settings.instance_count, settings.max_queue_delay_us, max_batch, curve)
     if sim is None:
         return None
     load = None if device is None else device.load(arrival_rps, sim.mean_batch)

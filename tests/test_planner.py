@@ -57,3 +57,22 @@ def test_property_latencies_are_at_least_one_execution(rate, n, delay, mbs, alph
     assert p is not None
     assert p.p99_ms >= alpha + beta - 1e-6 and p.mean_ms >= alpha + beta - 1e-6
     assert 1 <= p.mean_batch <= max(1, mbs) and 0 <= p.busy <= 1 + 1e-9
+
+
+def test_quantised_simulation_is_on_a_one_percent_grid_and_remembered():
+    from controller.planner import _q, simulate_quantised
+    assert _q(101.3) == pytest.approx(1.01 ** 464) and _q(0.0) == 0.0
+    assert _q(299.0) == _q(300.0) != _q(306.0)
+    a = simulate_quantised(300.0, 2, 0, 32, SIM)
+    b = simulate_quantised(299.0, 2, 0, 32, lambda x: 6.0 + 1.5 * x)      # the same grid point, the same curve
+    c = simulate_quantised(306.0, 2, 0, 32, SIM)
+    assert a is b and a is not c
+    exact = simulate(_q(300.0), 2, 0, 32, SIM, requests=1000)
+    assert a.p99_ms == pytest.approx(exact.p99_ms, rel=0.03) and a.mean_batch == pytest.approx(exact.mean_batch, rel=0.03)
+
+
+def test_quantised_simulation_follows_a_curve_with_a_single_size_bound():
+    from controller.planner import simulate_quantised
+    bound = lambda b: 9.0 * max(1.0, b / 2)  # noqa: E731  (service.ServiceFit with one size seen: 9 ms at b=2)
+    p = simulate_quantised(150.0, 1, 0, 32, bound)
+    assert p is not None and p.stable and p.p99_ms > 9.0
