@@ -376,7 +376,8 @@ class Controller:
             return None
         if self.config.loop.owner_mark and not self._may_act(mm, obs, now):
             return None
-        inputs = mm.observer.plan_inputs(mm.max_batch_size, self.config.loop.interval_s) if self.config.loop.planner else None
+        inputs = (mm.observer.plan_inputs(mm.max_batch_size, self.config.loop.interval_s, self._device_fraction(mm, obs))
+                  if self.config.loop.planner else None)
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size,
                                            inputs)
         self._update_capacity(mm, obs, decision, now)
@@ -389,6 +390,25 @@ class Controller:
         elif inputs is not None and mm.predicted is not None:
             mm.predicted["mode"] = decision.mode
         return decision, obs
+
+    def _device_fraction(self, mm: ManagedModel, obs: Observation) -> float | None:
+        """This model's share of the work on its devices: its instance-seconds executing per second over
+        those of every managed model observed on the same devices (their last observations). None when it
+        is alone there or nothing is known. Example: this model 2 instances 50% busy, another 1 instance
+        100% busy on the same device: 1.0 / 2.0 = 0.5."""
+        if not obs.valid or not obs.gpus:
+            return None
+        mine_dev = {g.index for g in obs.gpus}
+        own = obs.busy_fraction * (mm.current.instance_count if mm.current else 0)
+        total = own
+        for other in self.models.values():
+            o = other.last_obs
+            if other is mm or o is None or not o.valid or not ({g.index for g in o.gpus} & mine_dev):
+                continue
+            total += o.busy_fraction * (other.current.instance_count if other.current else 0)
+        if total <= 0 or total == own:
+            return None
+        return own / total
 
     def _update_capacity(self, mm: ManagedModel, obs: Observation, decision: Decision, now: float) -> None:
         """This model's use of the pod's capacity at its ceiling (controller/capacity.py). Without a valid

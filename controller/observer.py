@@ -100,10 +100,11 @@ class ModelObserver:
         else:
             self.forecast = self.forecast.update(now, tick.arrival_rps)
 
-    def plan_inputs(self, max_batch_size: int, interval_s: float) -> PlanInputs:
+    def plan_inputs(self, max_batch_size: int, interval_s: float, device_fraction: float | None = None) -> PlanInputs:
         """What the planner needs from this observer: every measured service curve and the forecast."""
         fits = tuple((s, f) for s in self.service.configs() if (f := self.service.fit(s)) is not None)
-        return PlanInputs(fits=fits, forecast=self.forecast, max_batch=max_batch_size, interval_s=interval_s)
+        return PlanInputs(fits=fits, forecast=self.forecast, max_batch=max_batch_size, interval_s=interval_s,
+                          device_fraction=device_fraction)
 
     def add_traces(self, samples: Iterable[TraceSample], read_at: float) -> None:
         self.traces.add(list(samples), read_at)

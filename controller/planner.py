@@ -275,23 +275,33 @@ class DeviceShare:
     Example: 90% busy at 400 executions/s of 1 item, s(b) = 6 + 1.5 b: phi(1) = 0.00225; at b = 8,
     phi(8) = 0.00225 * 18 / 7.5 = 0.0054, so 400 req/s in batches of 8 use 50 x 0.0054 = 27% of the
     device: the "100% busy yet slow" case, where larger batches free the device.
+
+    Several models on one device: the utilisation is theirs together. `fraction` is this model's share
+    of the work on it (its instance-seconds executing per second over all the device's models', from the
+    loop); the rest, `others`, stays as it is in every candidate. Example: 90% busy, this model 1/3 of the
+    work: phi comes from 30%, and a candidate's load is 60% + its own.
     """
 
     per_exec: float            # phi(batch)
     batch: float
     shape: Callable[[float], float]
+    others: float = 0.0        # the device's load from other models
 
     @staticmethod
-    def at(device_util: float | None, exec_rps: float, avg_batch: float, fit: "ServiceFit") -> "DeviceShare | None":
+    def at(device_util: float | None, exec_rps: float, avg_batch: float, fit: "ServiceFit",
+           fraction: float | None = None) -> "DeviceShare | None":
         """From the live configuration's readings; None without a utilisation reading or executions."""
         if device_util is None or not math.isfinite(device_util) or exec_rps <= 0:
             return None
-        return DeviceShare(min(1.0, max(0.0, device_util)) / exec_rps, max(1.0, avg_batch), fit.predict_ms)
+        util = min(1.0, max(0.0, device_util))
+        mine = 1.0 if fraction is None or not math.isfinite(fraction) else min(1.0, max(0.0, fraction))
+        return DeviceShare(util * mine / exec_rps, max(1.0, avg_batch), fit.predict_ms, util * (1.0 - mine))
 
     def load(self, arrival_rps: float, mean_batch: float) -> float:
+        """The device's predicted load with this model at `arrival_rps` in batches of `mean_batch`."""
         b = max(1.0, mean_batch)
         base = max(1e-9, self.shape(self.batch))
-        return arrival_rps / b * self.per_exec * self.shape(b) / base
+        return self.others + arrival_rps / b * self.per_exec * self.shape(b) / base
 
 
 @dataclass(frozen=True)
@@ -489,6 +499,7 @@ class PlanInputs:
     forecast: Forecast | None
     max_batch: int
     interval_s: float
+    device_fraction: float | None = None     # this model's share of its device's work (None: all of it)
 
 
 @dataclass(frozen=True)
@@ -534,7 +545,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     else:
         band = (arrival_rps, arrival_rps, arrival_rps * 1.1)
     hi = max(band[2], 0.0)
-    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count])
+    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count], inputs.device_fraction)
     mb = max(1, inputs.max_batch)
     limit = MARGIN * target_ms
     delays = delay_grid(min_delay_us, max_delay_us, live.max_queue_delay_us) if delay_allowed and mb > 1 \
@@ -624,7 +635,7 @@ def capacities(live: Settings, inputs: PlanInputs, state: PlannerState, *, targe
     if live.instance_count not in model.fits:
         return {}
     factor, _ = correction(state, now)
-    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count])
+    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count], inputs.device_fraction)
     out: dict[int, float | None] = {}
     for n in (live.instance_count - 1, live.instance_count, live.instance_count + 1):
         if min_instances <= n <= max_instances:

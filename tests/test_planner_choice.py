@@ -370,3 +370,28 @@ def test_consolidation_goes_to_the_fewest_under_the_stricter_margin_not_to_the_f
         p = run(S(4), rate, inp, state, now=100.0 + k)
         state = p.state
     assert p.reason == "ScaleDownConsolidated" and p.target.instance_count == 2
+
+
+def test_device_share_with_other_models_on_the_device():
+    shape = lambda b: 6 + 1.5 * b  # noqa: E731
+    alone = DeviceShare.at(0.9, 100.0, 1.0, fit_service({1: (50, 7.5), 4: (20, 12.0)}))
+    shared = DeviceShare.at(0.9, 100.0, 1.0, fit_service({1: (50, 7.5), 4: (20, 12.0)}), fraction=1 / 3)
+    assert alone.others == 0.0 and alone.load(100.0, 1.0) == pytest.approx(0.9)
+    assert shared.others == pytest.approx(0.6) and shared.load(100.0, 1.0) == pytest.approx(0.9)
+    assert shared.load(200.0, 1.0) == pytest.approx(0.6 + 0.6)      # doubling this model doubles its 30% only
+    assert DeviceShare(0.003, 1.0, shape, 0.5).load(100.0, 1.0) == pytest.approx(0.8)
+
+
+def test_the_loop_attributes_the_device_by_instance_seconds_executing():
+    from types import SimpleNamespace
+
+    from controller.loop import Controller
+    gpu = (GpuObservation(0, 90.0, 1, 10),)
+    me = SimpleNamespace(current=S(2), last_obs=None)
+    other = SimpleNamespace(current=S(1), last_obs=obs(100.0, busy_fraction=1.0, gpus=gpu))
+    ctl = SimpleNamespace(models={"me": me, "other": other})
+    mine = obs(100.0, busy_fraction=0.5, gpus=gpu)
+    assert Controller._device_fraction(ctl, me, mine) == pytest.approx(0.5)        # docstring example
+    assert Controller._device_fraction(SimpleNamespace(models={"me": me}), me, mine) is None   # alone
+    elsewhere = SimpleNamespace(current=S(1), last_obs=obs(100.0, busy_fraction=1.0, gpus=(GpuObservation(1, 90.0, 1, 10),)))
+    assert Controller._device_fraction(SimpleNamespace(models={"me": me, "x": elsewhere}), me, mine) is None
