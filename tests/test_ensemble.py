@@ -124,3 +124,29 @@ def test_an_ensemble_within_its_target_changes_nothing():
     assert net.limits.p99_target_ms == 39.0 and net.target_from.ensemble == "ens"    # 40 less the 1 ms ens adds (means 6 - 5)
     assert control.loads == [] and net.last_decision.reason.startswith("Hold")
     ctl.close()
+
+
+def _grown_step():
+    clock = Clock()
+    control = FakeControl(["ens", "net"])
+    control.configs.update(ens=ENS, net=model_config("net"))
+    loose = ModelLimits(p99_target_ms=1000.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0)
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=loose,
+                           models={"ens": ModelLimits(p99_target_ms=40.0, max_delay_us=0)})
+    scraper = FakeScraper(clock, {"ens": FakeModel(300, 32, 31), "net": FakeModel(300, 30, 5, pending=4)})
+    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(ctl, clock, 10)
+    ctl.wait_for_pending()
+    return ctl, control
+
+
+def test_a_change_to_a_step_restarts_the_ensembles_window():
+    """ensemble.py compares the ensemble's p99 with its step's: after the step changes, the ensemble's window
+    must not reach back into the old step's seconds (seen live: a stale ensemble p99 drove the step's target
+    to its 20% floor and the step to its maximum)."""
+    ctl, control = _grown_step()
+    assert control.loads and control.loads[0][0] == "net"
+    net, ens = ctl.models["net"].observer, ctl.models["ens"].observer
+    assert net.changed_at > 0 and ens.changed_at == net.changed_at
+    ctl.close()
+
