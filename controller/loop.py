@@ -710,6 +710,8 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
                                                         "mode": mm.predicted["mode"]},
         "knobs": None if mm.kind is None else mm.kind.describe(),
         "target_from": None if mm.target_from is None else mm.target_from.why,
+        "target_ensemble": None if mm.target_from is None else mm.target_from.ensemble,
+        "ensemble_steps": list(mm.kind.steps) if mm.kind is not None and mm.kind.ensemble else None,
         "per_device": dict(mm.per_device) if len(mm.per_device) > 1 else None,
     }
 

@@ -150,3 +150,21 @@ def test_a_change_to_a_step_restarts_the_ensembles_window():
     assert net.changed_at > 0 and ens.changed_at == net.changed_at
     ctl.close()
 
+
+def test_status_shows_the_ensemble_end_to_end_and_its_steps():
+    from controller.status import format_text
+    ctl, _ = _grown_step()
+    snap = ctl.status_snapshot()
+    doc = {"models": {n: {"state": "READY", **m} for n, m in snap["models"].items()}}
+    ctl.close()
+    text = format_text(doc)
+    ens_block = text.split("\n\nens  ")[1].split("\n\n")[0]
+    assert ens_block.startswith("READY  (target p99 40 ms, end to end; tuned through its steps)"), ens_block
+    assert "instances" not in ens_block.splitlines()[0] and "busy" not in ens_block and "HoldEnsemble" not in ens_block
+    assert "per request  mean 32.00 ms per request end to end; 30.00 ms in its steps, 2.00 ms around them" in ens_block
+    step = [line for line in ens_block.splitlines() if line.strip().startswith("step ")]
+    assert len(step) == 1 and "net: READY, 2 instances" in step[0] and "(from ens)" in step[0], step
+    # the step's own block follows the ensemble's, its target marked as the ensemble's
+    assert text.index("\n\nnet  ") > text.index("\n\nens  ")
+    net_head = text.split("\n\nnet  ")[1].splitlines()[0]
+    assert " from ens, 1-4 instances)" in net_head, net_head
