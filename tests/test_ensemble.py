@@ -52,6 +52,21 @@ def test_an_ensemble_over_its_target_asks_the_step_to_cut_the_excess():
     assert t.target_ms == 18.0 and "over" in t.why      # min(25 - 1, 23 - (30 - 25))
 
 
+def test_the_cut_stops_at_the_steps_compute_time():
+    """The ensemble is 23 ms over while its step's p99 is 27 ms with 9 ms of compute a request and almost no
+    queue: the cut (27 - 23 = 4 ms) would ask for less than the compute, which no instance count removes."""
+    own = {"net": 1000.0}
+    ens = Observation(valid=True, p99_ms=48.0, request_ms_mean=11.0)
+    net = Observation(valid=True, p99_ms=27.0, queue_ms_per_request=0.3, compute_ms_per_request=9.0, request_ms_mean=10.0)
+    t = E.step_targets("ens", 25.0, ens, ["net"], {"net": net}, own)["net"]
+    assert t.target_ms == 9.0 and "not below its compute time" in t.why     # not 27 - 23 = 4
+    # where the cut stays above the compute time, it is taken as before
+    net = Observation(valid=True, p99_ms=27.0, queue_ms_per_request=3.0, compute_ms_per_request=5.0, request_ms_mean=10.0)
+    ens = Observation(valid=True, p99_ms=35.0, request_ms_mean=11.0)
+    t = E.step_targets("ens", 25.0, ens, ["net"], {"net": net}, own)["net"]
+    assert t.target_ms == 17.0 and "compute" not in t.why                    # 27 - 10
+
+
 def test_no_data_says_nothing():
     own = {"net": 100.0}
     for e in (None, obs(valid=False), obs(None)):
