@@ -12,7 +12,11 @@ more instances (or a shorter delay) where requests wait. So, each tick:
    from different sampled requests and their difference is noisy), but never looser than the step's own
    target and never below `MIN_FRACTION` of the ensemble's. While the ensemble's own p99 is over its target,
    the step's target is also at most the step's p99 less that excess: the ensemble's p99, not the split of
-   it, is what must meet the target;
+   it, is what must meet the target; but that cut stops at the step's compute time per request, as more
+   instances remove queueing, not compute (an excess beyond it is not in the step: seen live on 2 shared
+   cores, host stalls put the ensemble's p99 23 ms over its step's, and the cut asked the step for 4 ms
+   against 9 ms of compute, sending it to its maximum for nothing). The two p99s must cover the same
+   seconds: the loop restarts an ensemble's window whenever one of its steps changes;
 3. every other step keeps its own target: one step at a time. When the queue moves to another step,
    the target moves with it;
 4. while the ensemble's or its steps' data are missing (a change settling, a failed scrape), every step
@@ -64,13 +68,20 @@ def step_targets(ensemble: str, target_ms: float, ens_obs: Observation | None, s
         rest = max(0.0, ens_obs.p99_ms - step.p99_ms)
     derived = target_ms - rest
     excess = ens_obs.p99_ms - target_ms
-    if excess > 0:
-        derived = min(derived, step.p99_ms - excess)
+    not_in_queue = False
+    if excess > 0 and step.p99_ms - excess < derived:
+        # what more instances remove is queueing, not compute: the cut stops at the step's compute time per
+        # request (an excess beyond that is not in this step's queue: host stalls, time outside the steps)
+        floor = min(derived, step.compute_ms_per_request)
+        not_in_queue = step.p99_ms - excess < floor
+        derived = max(step.p99_ms - excess, floor)
     derived = max(derived, MIN_FRACTION * target_ms)
     if derived >= own[h]:
         return out
     why = (f"{ensemble} p99 target {target_ms:g} ms less {rest:.1f} ms the rest of {ensemble} adds"
            + (f", or {h}'s p99 {step.p99_ms:.1f} ms less the {excess:.1f} ms {ensemble} is over" if excess > 0 else "")
+           + (f", but not below its compute time, {step.compute_ms_per_request:.1f} ms a request: more instances do not "
+              f"remove that" if not_in_queue else "")
            + f" ({ensemble} p99 {ens_obs.p99_ms:.1f} ms); {h} queues longest ({step.queue_ms_per_request:.1f} ms)")
     out[h] = StepTarget(h, round(derived, 2), ensemble, why)
     return out

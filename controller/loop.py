@@ -536,11 +536,20 @@ class Controller:
                     pass
         self._collect_finished()
 
+    def _mark_change(self, mm: ManagedModel, now: float) -> None:
+        """A change to `mm`: its window restarts, and so does every ensemble's it is a step of (an ensemble's
+        p99 over a window reaching back before its step's change describes the old step: ensemble.py compares
+        the two, so both must cover the same seconds)."""
+        mm.observer.mark_change(now)
+        for e in self.models.values():
+            if e.kind is not None and e.kind.ensemble and mm.name in e.kind.steps:
+                e.observer.mark_change(now)
+
     def _after_apply(self, mm: ManagedModel, decision: Decision, before: Settings, obs: Observation,
                      result: ApplyResult, now: float) -> None:
         if decision.reason == "ClaimOwnership":
             # settings unchanged: nothing for the policy to learn; a full reload restarted the stats counters
-            mm.observer.mark_change(now)
+            self._mark_change(mm, now)
             if result.live is not None:
                 mm.current = result.live
             if result.ok:
@@ -558,7 +567,7 @@ class Controller:
         if result.ok:
             mm.state = policy.record_applied(mm.state, decision, before, obs, now, result.seconds)
             mm.current = result.live
-            mm.observer.mark_change(now)
+            self._mark_change(mm, now)
             self.metrics.reload(mm.name, result.kind)
             log.info("%s: %s -> %s (%s, %s in %.1f s) %s", mm.name, _fmt(before), _fmt(result.live), decision.reason,
                      result.kind, result.seconds, decision.detail)
@@ -567,7 +576,7 @@ class Controller:
             mm.state = policy.record_failed(mm.state, decision, before, now, self.config.loop.failure_backoff_s)
             if result.live is not None:
                 mm.current = result.live
-            mm.observer.mark_change(now)
+            self._mark_change(mm, now)
             self.metrics.failure(mm.name)
             log.warning("%s: reload to %s failed after %.1f s: %s; keeping %s, next try not before %.0f s",
                         mm.name, _fmt(decision.target), result.seconds, result.error,
@@ -610,7 +619,7 @@ class Controller:
             return
         self.observation_log.write({"time": time.time(), "t": round(now, 3), "model": mm.name,
                                     "current": _asdict(mm.current), "reason": mm.last_reason,
-                                    "obs": summarize_obs(mm.last_obs)})
+                                    "target_ms": mm.limits.p99_target_ms, "obs": summarize_obs(mm.last_obs)})
 
     # -- what the controller sees, for /status -----------------------------------------------------
     def _publish(self, now: float) -> None:
@@ -721,6 +730,8 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
                                                         "mode": mm.predicted["mode"]},
         "knobs": None if mm.kind is None else mm.kind.describe(),
         "target_from": None if mm.target_from is None else mm.target_from.why,
+        "target_ensemble": None if mm.target_from is None else mm.target_from.ensemble,
+        "ensemble_steps": list(mm.kind.steps) if mm.kind is not None and mm.kind.ensemble else None,
         "per_device": dict(mm.per_device) if len(mm.per_device) > 1 else None,
     }
 

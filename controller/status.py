@@ -225,13 +225,56 @@ def format_header(doc: dict) -> list[str]:
     return lines
 
 
-def format_model(name: str, m: dict, last: int = 3) -> list[str]:
-    """One aligned block per model."""
+def _step_line(step: str, s: dict | None, ensemble: str) -> str:
+    """One step of an ensemble, as the ensemble's block shows it: instances, p99 against the target it runs under."""
+    if not s:
+        return f"{step}: not on the server"
+    o = s.get("obs") or {}
+    parts = [f"{step}: {s.get('state', '?')}"]
+    if s.get("instances") is not None:
+        parts.append(_settings(s["instances"], s.get("delay_us")))
+    if o.get("p99_ms") is not None:
+        parts.append(f"p99 {_num(o['p99_ms'], 1)} ms")
+    if s.get("p99_target_ms") is not None:
+        parts.append(f"target {_num(s['p99_target_ms'], 1)} ms"
+                     + (f" (from {ensemble})" if s.get("target_ensemble") == ensemble else " (its own)"))
+    if o.get("queue_ms") is not None:
+        parts.append(f"queue {_num(o['queue_ms'], 2)} ms + compute {_num(o.get('compute_ms'), 2)} ms per request")
+    if s.get("reloading"):
+        parts.append("reloading")
+    elif s.get("reason"):
+        parts.append(str(s["reason"]))
+    return ", ".join(parts)
+
+
+def _ensemble_rows(m: dict, models: dict, name: str) -> list[tuple[str, str]]:
+    """An ensemble's own figures: its end-to-end latency, and each step as the controller tunes it."""
+    rows: list[tuple[str, str]] = []
+    o = m.get("obs") or {}
+    steps = m.get("ensemble_steps") or []
+    if o.get("mean_ms") is not None:
+        step_means = [((models.get(s) or {}).get("obs") or {}).get("mean_ms") for s in steps]
+        text = f"mean {_num(o['mean_ms'], 2)} ms per request end to end"
+        if steps and all(x is not None for x in step_means):
+            text += f"; {_num(sum(step_means), 2)} ms in its steps, {_num(max(0.0, o['mean_ms'] - sum(step_means)), 2)} ms around them"
+        rows.append(("per request", text))
+    for s in steps:
+        rows.append(("step", _step_line(s, models.get(s), name)))
+    return rows
+
+
+def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) -> list[str]:
+    """One aligned block per model (`models`: every model's block, for an ensemble's steps)."""
+    ens = m.get("ensemble_steps") is not None
     head = f"{name}  {m.get('state', '?')}"
     if m.get("instances") is not None:
         head += f"  {_settings(m['instances'], m.get('delay_us'))}"
-    if m.get("p99_target_ms") is not None:
-        head += f"  (target p99 {_num(m['p99_target_ms'], 0)} ms, {m.get('min_instances')}-{m.get('max_instances')} instances)"
+    if m.get("p99_target_ms") is not None and ens:
+        head += f"  (target p99 {_num(m['p99_target_ms'], 0)} ms, end to end; tuned through its steps)"
+    elif m.get("p99_target_ms") is not None:
+        head += (f"  (target p99 {_num(m['p99_target_ms'], 1 if m.get('target_ensemble') else 0)} ms"
+                 + (f" from {m['target_ensemble']}" if m.get("target_ensemble") else "")
+                 + f", {m.get('min_instances')}-{m.get('max_instances')} instances)")
     if m.get("state_reason") and m.get("state") != "READY":
         head += f": {m['state_reason']}"
     rows: list[tuple[str, str]] = []
@@ -262,7 +305,9 @@ def format_model(name: str, m: dict, last: int = 3) -> list[str]:
                 none = "none: no requests in the window" if not o.get("completion_rps") else "none yet"
                 rows.append(("p99", f"{none} (tracing {m.get('tracing', '?')})"))
             busy = o.get("busy")
-            if o.get("completion_rps"):
+            if ens:
+                rows.extend(_ensemble_rows(m, models or {}, name))
+            elif o.get("completion_rps"):
                 rows.append(("per request", f"queue {_num(o.get('queue_ms'), 2)} ms + compute {_num(o.get('compute_ms'), 2)} ms; "
                              f"busy {'?' if busy is None else f'{100 * busy:.0f}%'}, {_num(o.get('avg_batch'), 2)} per batch"))
             svc = o.get("service")
@@ -289,7 +334,9 @@ def format_model(name: str, m: dict, last: int = 3) -> list[str]:
                      for n, v in sorted(caps.items(), key=lambda kv: int(kv[0]))]
             rows.append(("predicted", f"within the target: {'; '.join(parts)}"
                          + (f"  [{pred['mode']}]" if pred.get("mode") else "")))
-        if m.get("reason"):
+        if ens:
+            pass    # never reloaded, nothing held: the model row says so, and its steps carry the decisions
+        elif m.get("reason"):
             text = f"{m['reason']} for {_dur(m.get('held_for_s'))}"
             if m.get("detail"):
                 text += f": {m['detail']}"
@@ -303,7 +350,9 @@ def format_model(name: str, m: dict, last: int = 3) -> list[str]:
                          if own.get("state") in ("foreign_live", "foreign_unreachable") else
                          f"{own.get('owner')}, taking over ({own.get('detail')})"))
         ch = m.get("last_change")
-        if ch:
+        if ens:
+            pass
+        elif ch:
             text = f"{_clock(ch.get('time'))} ({_dur(ch.get('ago_s'))} ago) {_change(ch.get('from'), ch.get('to'))}: " \
                    f"{ch.get('reason')} ({(ch.get('kind') or '?').replace('_', ' ')}, {_num(ch.get('apply_s'))} s)"
             if not ch.get("ok", True):
@@ -315,7 +364,7 @@ def format_model(name: str, m: dict, last: int = 3) -> list[str]:
         if r:
             rows.append(("reloading", f"-> {_settings((r.get('to') or {}).get('instances'), (r.get('to') or {}).get('delay_us'))}: "
                          f"{r.get('reason')} ({r.get('kind', '?').replace('_', ' ')}, {_dur(r.get('for_s'))} so far)"))
-        for rec in (m.get("recent") or [])[-last:] if last > 0 else []:
+        for rec in (m.get("recent") or [])[-last:] if last > 0 and not ens else []:
             rows.append(("recent", _recent(rec)))
     else:                   # the server's view only, and the decision log's last records
         log = m.get("log") or []
@@ -356,9 +405,15 @@ def describe_observation(rec: dict) -> str:
 
 def format_text(doc: dict, last: int = 3) -> str:
     lines = format_header(doc)
-    for name, m in (doc.get("models") or {}).items():
+    models = doc.get("models") or {}
+    order: list[str] = []
+    for name, m in models.items():      # an ensemble's steps right after it
+        for n in [name] + [s for s in (m.get("ensemble_steps") or []) if s in models]:
+            if n not in order:
+                order.append(n)
+    for name, m in ((n, models[n]) for n in order):
         lines.append("")
-        lines.extend(format_model(name, m, last))
+        lines.extend(format_model(name, m, last, doc.get("models")))
     if not doc.get("models"):
         lines += ["", "no models on the server"]
     return "\n".join(lines)

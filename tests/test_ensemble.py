@@ -52,6 +52,21 @@ def test_an_ensemble_over_its_target_asks_the_step_to_cut_the_excess():
     assert t.target_ms == 18.0 and "over" in t.why      # min(25 - 1, 23 - (30 - 25))
 
 
+def test_the_cut_stops_at_the_steps_compute_time():
+    """The ensemble is 23 ms over while its step's p99 is 27 ms with 9 ms of compute a request and almost no
+    queue: the cut (27 - 23 = 4 ms) would ask for less than the compute, which no instance count removes."""
+    own = {"net": 1000.0}
+    ens = Observation(valid=True, p99_ms=48.0, request_ms_mean=11.0)
+    net = Observation(valid=True, p99_ms=27.0, queue_ms_per_request=0.3, compute_ms_per_request=9.0, request_ms_mean=10.0)
+    t = E.step_targets("ens", 25.0, ens, ["net"], {"net": net}, own)["net"]
+    assert t.target_ms == 9.0 and "not below its compute time" in t.why     # not 27 - 23 = 4
+    # where the cut stays above the compute time, it is taken as before
+    net = Observation(valid=True, p99_ms=27.0, queue_ms_per_request=3.0, compute_ms_per_request=5.0, request_ms_mean=10.0)
+    ens = Observation(valid=True, p99_ms=35.0, request_ms_mean=11.0)
+    t = E.step_targets("ens", 25.0, ens, ["net"], {"net": net}, own)["net"]
+    assert t.target_ms == 17.0 and "compute" not in t.why                    # 27 - 10
+
+
 def test_no_data_says_nothing():
     own = {"net": 100.0}
     for e in (None, obs(valid=False), obs(None)):
@@ -124,3 +139,47 @@ def test_an_ensemble_within_its_target_changes_nothing():
     assert net.limits.p99_target_ms == 39.0 and net.target_from.ensemble == "ens"    # 40 less the 1 ms ens adds (means 6 - 5)
     assert control.loads == [] and net.last_decision.reason.startswith("Hold")
     ctl.close()
+
+
+def _grown_step():
+    clock = Clock()
+    control = FakeControl(["ens", "net"])
+    control.configs.update(ens=ENS, net=model_config("net"))
+    loose = ModelLimits(p99_target_ms=1000.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0)
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=loose,
+                           models={"ens": ModelLimits(p99_target_ms=40.0, max_delay_us=0)})
+    scraper = FakeScraper(clock, {"ens": FakeModel(300, 32, 31), "net": FakeModel(300, 30, 5, pending=4)})
+    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(ctl, clock, 10)
+    ctl.wait_for_pending()
+    return ctl, control
+
+
+def test_a_change_to_a_step_restarts_the_ensembles_window():
+    """ensemble.py compares the ensemble's p99 with its step's: after the step changes, the ensemble's window
+    must not reach back into the old step's seconds (seen live: a stale ensemble p99 drove the step's target
+    to its 20% floor and the step to its maximum)."""
+    ctl, control = _grown_step()
+    assert control.loads and control.loads[0][0] == "net"
+    net, ens = ctl.models["net"].observer, ctl.models["ens"].observer
+    assert net.changed_at > 0 and ens.changed_at == net.changed_at
+    ctl.close()
+
+
+def test_status_shows_the_ensemble_end_to_end_and_its_steps():
+    from controller.status import format_text
+    ctl, _ = _grown_step()
+    snap = ctl.status_snapshot()
+    doc = {"models": {n: {"state": "READY", **m} for n, m in snap["models"].items()}}
+    ctl.close()
+    text = format_text(doc)
+    ens_block = text.split("\n\nens  ")[1].split("\n\n")[0]
+    assert ens_block.startswith("READY  (target p99 40 ms, end to end; tuned through its steps)"), ens_block
+    assert "instances" not in ens_block.splitlines()[0] and "busy" not in ens_block and "HoldEnsemble" not in ens_block
+    assert "per request  mean 32.00 ms per request end to end; 30.00 ms in its steps, 2.00 ms around them" in ens_block
+    step = [line for line in ens_block.splitlines() if line.strip().startswith("step ")]
+    assert len(step) == 1 and "net: READY, 2 instances" in step[0] and "(from ens)" in step[0], step
+    # the step's own block follows the ensemble's, its target marked as the ensemble's
+    assert text.index("\n\nnet  ") > text.index("\n\nens  ")
+    net_head = text.split("\n\nnet  ")[1].splitlines()[0]
+    assert " from ens, 1-4 instances)" in net_head, net_head
