@@ -161,7 +161,7 @@ def test_ensemble_is_never_reloaded_and_its_step_grows_on_the_two_simulated_gpus
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("ens: ensemble of sim2; knobs: none") for line in lines), lines[:5]
     assert any(line.startswith("sim2: python, batching up to 4") for line in lines), lines[:5]
-    # the step grew (the reactive rules' ScaleUp* or the planner's Plan* reasons): it starts at 2 instances
+    # the step grew (the planner's or the reactive rules' reason): it starts at 2 instances
     ups = [r for r in records if r["model"] == "sim2" and r["action"] == "applied" and r["target"]["instances"] > 2]
     assert ups, [(r["model"], r["action"], r["reason"]) for r in records]
     assert all(r["kind"] == "in_place" for r in records if r["model"] == "sim2" and r["action"] == "applied")
@@ -225,7 +225,7 @@ def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog
     assert any(m.startswith("sim2: managed as a step of ensemble ens") for m in caplog.messages)
     records = _records(tmp_path / "decisions.jsonl")
     assert not [r for r in records if r["model"] == "ens" and r["action"] != "hold"]
-    # the step grew (the reactive rules' ScaleUp* or the planner's Plan* reasons): it starts at 2 instances
+    # the step grew (the planner's or the reactive rules' reason): it starts at 2 instances
     ups = [r for r in records if r["model"] == "sim2" and r["action"] == "applied" and r["target"]["instances"] > 2]
     assert ups, [(r["model"], r["action"], r["reason"]) for r in records]
     done = np.array([r.done_s for r in results])
