@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from controller import ensemble as E
 from controller.config import ControllerConfig, ModelLimits, ServerConfig
@@ -172,8 +173,6 @@ def test_a_change_to_a_step_restarts_the_ensembles_window():
 def test_status_shows_the_ensemble_end_to_end_and_its_steps():
     from controller.status import format_text
     ctl, _ = _grown_step()
-    grown = ctl.models["net"].current.instance_count
-    assert grown >= 2
     snap = ctl.status_snapshot()
     doc = {"models": {n: {"state": "READY", **m} for n, m in snap["models"].items()}}
     ctl.close()
@@ -183,7 +182,8 @@ def test_status_shows_the_ensemble_end_to_end_and_its_steps():
     assert "instances" not in ens_block.splitlines()[0] and "busy" not in ens_block and "HoldEnsemble" not in ens_block
     assert "per request  mean 32.00 ms per request end to end; 30.00 ms in its steps, 2.00 ms around them" in ens_block
     step = [line for line in ens_block.splitlines() if line.strip().startswith("step ")]
-    assert len(step) == 1 and f"net: READY, {grown} instances" in step[0] and "(from ens)" in step[0], step
+    # the step grew (to 2 or 3 by this snapshot: a reload may still be in flight when it was taken)
+    assert len(step) == 1 and re.search(r"net: READY, [23] instances", step[0]) and "(from ens)" in step[0], step
     # the step's own block follows the ensemble's, its target marked as the ensemble's
     assert text.index("\n\nnet  ") > text.index("\n\nens  ")
     net_head = text.split("\n\nnet  ")[1].splitlines()[0]
