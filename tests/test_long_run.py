@@ -25,6 +25,17 @@ def test_check_growth_flags_only_what_grew_past_its_bound():
     assert long_run.check_growth(flat[:1], 30, 1, 1, 1) == ["only 0 samples after the warm-up"]
 
 
+def test_the_server_is_compared_at_the_same_instance_count():
+    def s(t, n, threads, rss=60.0):
+        return {"t_s": t, "controller": {"rss_mb": 90, "fds": 9, "threads": 10},
+                "server": {"rss_mb": rss, "fds": 60 + n, "threads": 28 + 35 * n}, "stubs": {"count": n}}
+    varying = [s(0, 1, 63), s(60, 6, 238), s(120, 2, 98), s(180, 8, 308), s(240, 6, 238), s(300, 2, 98)]
+    assert long_run.check_growth(varying, 30, rss_mb=20, fds=5, threads=5) == []     # more instances, not a leak
+    leaking = varying + [s(360, 2, 98, rss=95.0)]
+    assert long_run.check_growth(leaking, 30, rss_mb=20, fds=5, threads=5) == [
+        "server rss_mb at 2 instance(s): 60.0 -> 95.0 (bound +20)"]
+
+
 def test_one_minute_of_serve_under_varying_load_stays_flat():
     doc = long_run.long_run(minutes=1.0, every_s=3.0, phase_s=8.0, low_rps=20.0, high_rps=200.0, log=lambda _: None)
     samples = doc["samples"]
