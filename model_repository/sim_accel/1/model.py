@@ -115,6 +115,11 @@ class TritonPythonModel:
         self.m_us = self.fam_us.Metric(labels=labels)
         self.m_batch = self.fam_batch.Metric(labels=labels)
         self.m_mem.set(self.buffer.nbytes)
+        # why: a full reload starts new stubs with the same instance names, so the same metric series,
+        # before the old stubs' finalize(); the newest stub of a name owns its series (see finalize)
+        self.owner_file = os.path.join(self.device.dir, f"{self.instance_name}.owner")
+        with open(self.owner_file, "w") as f:
+            f.write(str(os.getpid()))
         self.m_gpu_mem = self.m_gpu_busy = None
         if self.sim_gpu is not None:
             k = self.sim_gpu
@@ -158,9 +163,16 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
-        # The server keeps a removed instance's metric series: report its memory as released.
-        self.m_mem.set(0)
-        if self.m_gpu_mem is not None:
-            self.m_gpu_mem.set(0)
+        # The server keeps a removed instance's metric series: report its memory as released, unless a
+        # newer stub of the same name (a full reload) owns the series now: zeroing it would hide its memory.
+        try:
+            with open(self.owner_file) as f:
+                newest = f.read().strip() == str(os.getpid())
+        except OSError:
+            newest = True
+        if newest:
+            self.m_mem.set(0)
+            if self.m_gpu_mem is not None:
+                self.m_gpu_mem.set(0)
         self.device.close()
         self.buffer = None

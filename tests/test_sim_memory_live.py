@@ -1,0 +1,47 @@
+"""The SIMULATED device's memory reading after reloads, against the real server: what the controller's
+memory budget rests on. A full reload starts new stubs with the same instance names (the same metric
+series) before the old ones finalize; the old ones must not zero the new ones' memory."""
+from __future__ import annotations
+
+import time
+
+from conftest import start_server
+
+from controller.actuation import Actuator, TritonControl
+from controller.gpu import SIM_MEMORY_METRIC
+from controller.signals import Scraper
+from controller.types import Settings
+
+MODEL = "sim_accel"
+MiB = 2**20
+
+
+def _settles_at(scraper: Scraper, expected: float, within_s: float = 15.0) -> float | None:
+    """The memory reading once it equals `expected` (the old version of a full reload unloads, and its
+    stubs finalize, a little after the load returns: until then old + new is what the device holds),
+    else the last reading after `within_s`."""
+    deadline = time.monotonic() + within_s
+    value = None
+    while time.monotonic() < deadline:
+        counters = (scraper.metrics() or {}).get(MODEL)
+        value = None if counters is None else counters.custom.get(SIM_MEMORY_METRIC)
+        if value == expected:
+            return value
+        time.sleep(0.3)
+    return value
+
+
+def test_memory_follows_the_instances_through_in_place_and_full_reloads():
+    server = start_server([MODEL])
+    try:
+        act = Actuator(TritonControl(server.grpc_url, server.http_url))
+        scraper = Scraper(server.metrics_url, server.http_url)
+        # 1 -> 2 with a delay (full): the old sim_accel_0_0's finalize used to zero the new one's series (seen:
+        # 64 MiB for 2 instances, then 0; the controller then overran a shared memory budget)
+        for settings in (Settings(1, 0), Settings(2, 8000), Settings(2, 0), Settings(1, 0), Settings(3, 0),
+                         Settings(2, 0), Settings(2, 500), Settings(1, 2000)):
+            assert act.apply(MODEL, settings).ok
+            expected = settings.instance_count * 64 * MiB
+            assert _settles_at(scraper, expected) == expected, settings
+    finally:
+        server.stop()
