@@ -13,7 +13,6 @@ import contextlib
 import json
 import shutil
 import threading
-import time
 
 import pytest
 
