@@ -109,6 +109,9 @@ def test_dry_run_decides_but_changes_nothing(sim_server, tmp_path):
     assert act.read(MODEL)[1] == Settings(1, 0)
 
 
+LEVEL_S = 15.0      # seconds of each load level in the trace-p99 test
+
+
 def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp_path):
     """The controller's own reading (p99_source "trace") against what the clients measured, over the same
     seconds, at a light and a heavy load. Dry run at a fixed config, so that only the load changes."""
@@ -126,7 +129,7 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
         for rate in (40, 160):
             results: list = []
             wall0 = time.time()
-            _load(sim_server, rate_rps=rate, seconds=12, results=results)
+            _load(sim_server, rate_rps=rate, seconds=LEVEL_S, results=results)
             phases.append((rate, wall0, results))
         time.sleep(1.5)                       # one more tick reads the last files
     records = [r for r in _records(obs_log) if r["model"] == MODEL and r["obs"].get("p99_ms") is not None]
@@ -134,8 +137,9 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
         assert results and all(r.ok for r in results)
         done = np.array([r.done_s for r in results])
         lat = np.array([1000 * r.latency_s for r in results])
-        # readings whose whole span lies in the second half of this load level
-        inside = [r for r in records if wall0 + 6 + r["obs"]["span_s"] <= r["time"] <= wall0 + 12]
+        # readings whose whole span lies after the first 6 s of this load level (a few ticks: one alone could
+        # straddle the edges when a tick runs late on the shared cores)
+        inside = [r for r in records if wall0 + 6 + r["obs"]["span_s"] <= r["time"] <= wall0 + LEVEL_S]
         assert inside, (rate, [(round(r["time"] - wall0, 1), r["obs"]) for r in records][-20:])
         assert all(r["obs"]["p99_source"] == "trace" for r in inside), [r["obs"] for r in inside]
         errors = []
