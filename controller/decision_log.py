@@ -70,7 +70,7 @@ def read_records(path: str | Path | None) -> list[dict]:
     """Every record of one JSONL file, in order; a missing or unreadable file is no records.
 
     A line that is not a JSON object (a torn last line while the controller writes) is skipped.
-    Only `path` itself is read, not its rotated files (`JsonLog.files()` lists those).
+    Only `path` itself is read, not its rotated files (`read_rotated` reads them all).
     """
     if not path:
         return []
@@ -87,6 +87,21 @@ def read_records(path: str | Path | None) -> list[dict]:
         if isinstance(rec, dict):
             out.append(rec)
     return out
+
+
+def read_rotated(path: str | Path) -> list[dict]:
+    """Every record of a log and of its rotated files (`<path>.1`, `.2` ... as `JsonLog` writes them),
+    oldest first: the highest-numbered file first (numerically: `.10` is older than `.9`), `path` last."""
+    path = Path(path)
+    rotated = []
+    for p in path.parent.glob(path.name + ".*"):
+        suffix = p.name[len(path.name) + 1:]
+        if suffix.isdigit():
+            rotated.append((int(suffix), p))
+    out = []
+    for _, p in sorted(rotated, reverse=True):
+        out += read_records(p)
+    return out + read_records(path)
 
 
 def by_model(records: list[dict]) -> dict[str, list[dict]]:

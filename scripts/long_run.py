@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync  # noqa: E402
+from controller.decision_log import read_rotated  # noqa: E402
+from controller.evaluation.arm import stop_process  # noqa: E402
 from controller.server import free_port  # noqa: E402
 
 MODEL = "sim_accel"
@@ -124,16 +126,8 @@ class Load(threading.Thread):
 
 def reloads_logged(decision_log: Path) -> dict[str, int]:
     """Applied and failed changes in the decision log and its rotated files (decisions.jsonl.1 ...)."""
-    counts = {"applied": 0, "failed": 0}
-    for path in sorted(decision_log.parent.glob(decision_log.name + "*")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                action = json.loads(line).get("action")
-            except ValueError:
-                continue
-            if action in counts:
-                counts[action] += 1
-    return counts
+    actions = [r.get("action") for r in read_rotated(decision_log)]
+    return {"applied": actions.count("applied"), "failed": actions.count("failed")}
 
 
 def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: float = 30.0, high_rps: float = 250.0,
@@ -173,11 +167,7 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
         if load is not None:
             load.stop.set()
             load.join(timeout=phase_s + 15)
-        serve.send_signal(2)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        stop_process(serve, timeout_s=60)
     reloads = reloads_logged(decision_log)
     shutil.rmtree(work, ignore_errors=True)
     return {"minutes": minutes, "every_s": every_s, "phase_s": phase_s, "low_rps": low_rps, "high_rps": high_rps,

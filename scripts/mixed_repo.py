@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync  # noqa: E402
+from controller.decision_log import read_rotated  # noqa: E402
+from controller.evaluation.arm import stop_process  # noqa: E402
 from controller.server import free_port  # noqa: E402
 
 REPOSITORY = ROOT / "scripts" / "scenarios" / "repos" / "mixed"
@@ -55,17 +57,6 @@ class Load(threading.Thread):
         self.t0 = time.time()
         self.records = run_open_loop_sync(self.grpc_url, self.model, self.schedule, inputs_from_config(self.cfg),
                                           timeout_s=10.0)
-
-
-def _jsonl(path: Path) -> list[dict]:
-    out = []
-    for p in sorted(path.parent.glob(path.name + "*"), reverse=True):   # rotated files (.1 ...) first: oldest first
-        for line in p.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def _p99(values) -> float | None:
@@ -172,13 +163,9 @@ def run(minutes: float, rates: dict[str, float], work: Path, log=print) -> dict:
         for load in loads.values():
             load.join(timeout=seconds + 60)
     finally:
-        serve.send_signal(2)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-    decisions = _jsonl(decision_log)
-    observations = _jsonl(work / "observations.jsonl")
+        stop_process(serve, timeout_s=60)
+    decisions = read_rotated(decision_log)
+    observations = read_rotated(work / "observations.jsonl")
     n_min = max(1, int(round(minutes)))
     target = float(cfg_doc["models"][ENSEMBLE]["p99_target_ms"])
     out = {"minutes": minutes, "rates_rps": rates, "ensemble_target_ms": target,

@@ -93,3 +93,14 @@ def test_config_ranges(raw, msg):
     with pytest.raises(ConfigError) as e:
         parse_config({"controller": raw})
     assert str(e.value) == msg
+
+
+def test_read_rotated_reads_every_file_oldest_first_in_numeric_order(tmp_path):
+    from controller.decision_log import read_rotated
+    log = tmp_path / "decisions.jsonl"
+    for n in (1, 2, 9, 10):                          # .10 is older than .9: numeric, not lexical order
+        (tmp_path / f"decisions.jsonl.{n}").write_text(json.dumps({"n": n}) + "\n")
+    (tmp_path / "decisions.jsonl.bak").write_text(json.dumps({"n": "bak"}) + "\n")    # not a rotated file
+    log.write_text(json.dumps({"n": 0}) + "\n" + '{"torn')
+    assert [r["n"] for r in read_rotated(log)] == [10, 9, 2, 1, 0]
+    assert read_rotated(tmp_path / "absent.jsonl") == []
