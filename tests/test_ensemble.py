@@ -107,17 +107,7 @@ ENS = {"name": "ens", "platform": "ensemble", "max_batch_size": 8, "instance_gro
 def test_the_ensemble_target_scales_its_step_which_alone_would_hold(caplog):
     """The step's own target (1 s) is met with room to spare; the ensemble's (40 ms) is not: the step grows."""
     caplog.set_level(logging.INFO, logger="controller.loop")
-    clock = Clock()
-    control = FakeControl(["ens", "net"])
-    control.configs.update(ens=ENS, net=model_config("net"))
-    # min_gain_pct 0: the fake server's throughput does not follow the instances, so no ScaleDownNoGain step back
-    loose = ModelLimits(p99_target_ms=1000.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0, min_gain_pct=0.0)
-    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=loose,
-                           models={"ens": ModelLimits(p99_target_ms=40.0, max_delay_us=0)})   # the step is not named
-    scraper = FakeScraper(clock, {"ens": FakeModel(300, 32, 31), "net": FakeModel(300, 30, 5, pending=4)})
-    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
-    run_ticks(ctl, clock, 10)
-    ctl.wait_for_pending()
+    ctl, control = _grown_step()          # the step is not named in the configuration
     net = ctl.models["net"]
     assert any(m.startswith("net: managed as a step of ensemble ens") for m in caplog.messages)
     assert net.target_from is not None and net.target_from.ensemble == "ens" and net.limits.p99_target_ms < 40.0
@@ -127,7 +117,8 @@ def test_the_ensemble_target_scales_its_step_which_alone_would_hold(caplog):
     ctl.close()
 
 
-def test_an_ensemble_within_its_target_changes_nothing():
+def _ensemble_run(ens: FakeModel, net: FakeModel) -> tuple[Controller, FakeControl]:
+    """The ensemble `ens` (target 40 ms) in front of `net` (its own target loose), served by fakes, 10 ticks."""
     clock = Clock()
     control = FakeControl(["ens", "net"])
     control.configs.update(ens=ENS, net=model_config("net"))
@@ -135,9 +126,14 @@ def test_an_ensemble_within_its_target_changes_nothing():
     loose = ModelLimits(p99_target_ms=1000.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0, min_gain_pct=0.0)
     cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=loose,
                            models={"ens": ModelLimits(p99_target_ms=40.0, max_delay_us=0)})
-    scraper = FakeScraper(clock, {"ens": FakeModel(50, 6, 5.5), "net": FakeModel(50, 5, 4.5)})
+    scraper = FakeScraper(clock, {"ens": ens, "net": net})
     ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
     run_ticks(ctl, clock, 10)
+    return ctl, control
+
+
+def test_an_ensemble_within_its_target_changes_nothing():
+    ctl, control = _ensemble_run(FakeModel(50, 6, 5.5), FakeModel(50, 5, 4.5))
     net = ctl.models["net"]
     assert net.limits.p99_target_ms == 39.0 and net.target_from.ensemble == "ens"    # 40 less the 1 ms ens adds (means 6 - 5)
     assert control.loads == [] and net.last_decision.reason.startswith("Hold")
@@ -145,16 +141,7 @@ def test_an_ensemble_within_its_target_changes_nothing():
 
 
 def _grown_step():
-    clock = Clock()
-    control = FakeControl(["ens", "net"])
-    control.configs.update(ens=ENS, net=model_config("net"))
-    # min_gain_pct 0: the fake server's throughput does not follow the instances, so no ScaleDownNoGain step back
-    loose = ModelLimits(p99_target_ms=1000.0, max_instances=4, scale_up_cooldown_s=0.0, max_delay_us=0, min_gain_pct=0.0)
-    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=loose,
-                           models={"ens": ModelLimits(p99_target_ms=40.0, max_delay_us=0)})
-    scraper = FakeScraper(clock, {"ens": FakeModel(300, 32, 31), "net": FakeModel(300, 30, 5, pending=4)})
-    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
-    run_ticks(ctl, clock, 10)
+    ctl, control = _ensemble_run(FakeModel(300, 32, 31), FakeModel(300, 30, 5, pending=4))
     ctl.wait_for_pending()
     return ctl, control
 
