@@ -436,8 +436,7 @@ class PlannerState:
 
     ratios: tuple[tuple[float, float], ...] = ()      # (time, observed / predicted p99) of recent windows
     by_config: tuple[tuple[Settings, float, float], ...] = ()   # (config, time, its ratio, EWMA): what it did when live
-    smaller_since: float | None = None                # a smaller configuration met CONSOLIDATE_MARGIN since ...
-    smaller_ticks: int = 0                            # ... on this many decisions in a row
+    smaller_ticks: int = 0                            # a smaller configuration met CONSOLIDATE_MARGIN this many decisions in a row
     smaller_best: Settings | None = None              # the largest of those smaller choices (the safe one)
     reload_s: float = 2.0                             # how long an applied change took (EWMA)
 
@@ -580,7 +579,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     common = dict(live=live_c, band=band, correction=factor)
     where = (f"forecast {band[0]:.0f}-{band[2]:.0f} req/s in {horizon:.1f} s; live {_desc(live_c)}; "
              f"gamma {model.gamma:.2f} ({model.gamma_source}), correction {factor:.2f}")
-    keep = dataclasses.replace(state, smaller_since=None, smaller_ticks=0, smaller_best=None)
+    keep = dataclasses.replace(state, smaller_ticks=0, smaller_best=None)
     if live_c is not None and live_c.meets:
         # consolidation: the fewest predicted under the stricter margin (not the fewest under 0.9x: that one
         # may sit just above 0.8x while a count between it and the live one fits well)
@@ -593,15 +592,14 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         ticks = state.smaller_ticks + 1
         best = chosen.settings if state.smaller_best is None else max(
             state.smaller_best, chosen.settings, key=lambda s: (s.instance_count, s.max_queue_delay_us))
-        st = dataclasses.replace(state, smaller_since=state.smaller_since if state.smaller_since is not None else now,
-                                 smaller_ticks=ticks, smaller_best=best)
+        st = dataclasses.replace(state, smaller_ticks=ticks, smaller_best=best)
         if ticks < CONSOLIDATE_TICKS:
             return Plan(None, "HoldConsolidationPending", f"{_fmt_settings(chosen.settings)} predicted "
                         f"{chosen.p99_ms:.1f} ms ({ticks}/{CONSOLIDATE_TICKS}); {where}", usable=True, chosen=chosen,
                         state=st, **common)
         return Plan(best, change_reason(live, best, "Consolidated"), f"{_fmt_settings(best)} predicted under {CONSOLIDATE_MARGIN:g}x the target "
                     f"{CONSOLIDATE_TICKS} times in a row; {where}", usable=True, chosen=at_hi(best) or chosen,
-                    state=dataclasses.replace(keep, reload_s=state.reload_s), **common)
+                    state=keep, **common)
     if chosen is None:
         # nothing is predicted to meet the target: the configuration predicted best, if it beats the live one
         options = [c for c in (at_hi(Settings(max(ceiling, min_instances), d)) for d in delays) if c is not None]

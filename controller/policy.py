@@ -511,7 +511,7 @@ def record_applied(state: PolicyState, decision: Decision, before: Settings, obs
     used, _ = device_memory(obs)
     step = StepRecord(now, before, decision.target, obs.completion_rps, obs.p99_ms, used)
     delay_changed = decision.target.max_queue_delay_us != before.max_queue_delay_us
-    plan = dataclasses.replace(state.plan, smaller_since=None, smaller_ticks=0, smaller_best=None)
+    plan = dataclasses.replace(state.plan, smaller_ticks=0, smaller_best=None)
     if apply_s is not None and math.isfinite(apply_s) and apply_s >= 0:
         plan = dataclasses.replace(plan, reload_s=0.7 * plan.reload_s + 0.3 * min(apply_s, 60.0))
     return dataclasses.replace(
