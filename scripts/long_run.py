@@ -59,12 +59,24 @@ def children(pid: int) -> list[int]:
     return [int(x) for x in r.stdout.split()]
 
 
+STEADY_RECHECK_S = 1.0     # a sample is steady when the stubs and the server's threads read the same this much later
+
+
 def sample(controller_pid: int, server_pid: int, t0: float) -> dict:
-    """One sample: the controller (serve), the server, and the server's stub processes summed."""
+    """One sample: the controller (serve), the server, and the server's stub processes summed.
+
+    `steady` is False when an instance was starting or stopping as it was taken (the stub processes or the
+    server's threads changed within `STEADY_RECHECK_S`): a stub that exists before its instance's server
+    threads do would make the server look smaller, at that stub count, than it is."""
     stubs = [f for f in (proc_figures(p) for p in children(server_pid)) if f is not None]
-    return {"t_s": round(time.monotonic() - t0, 1), "controller": proc_figures(controller_pid),
-            "server": proc_figures(server_pid),
-            "stubs": {"count": len(stubs), **{k: round(sum(s[k] for s in stubs), 1) for k in ("rss_mb", "fds", "threads")}}}
+    doc = {"t_s": round(time.monotonic() - t0, 1), "controller": proc_figures(controller_pid),
+           "server": proc_figures(server_pid),
+           "stubs": {"count": len(stubs), **{k: round(sum(s[k] for s in stubs), 1) for k in ("rss_mb", "fds", "threads")}}}
+    time.sleep(STEADY_RECHECK_S)
+    again, server = children(server_pid), proc_figures(server_pid)
+    doc["steady"] = (len(again) == len(stubs) and server is not None and doc["server"] is not None
+                     and server["threads"] == doc["server"]["threads"])
+    return doc
 
 
 def check_growth(samples: list[dict], warmup_s: float, rss_mb: float, fds: int, threads: int,
@@ -86,7 +98,8 @@ def check_growth(samples: list[dict], warmup_s: float, rss_mb: float, fds: int, 
         if w == "server":
             by_count: dict[int, list[dict]] = {}
             for s in after:
-                by_count.setdefault((s.get("stubs") or {}).get("count", 0), []).append(s)
+                if s.get("steady", True):          # samples taken while an instance started or stopped are not judged
+                    by_count.setdefault((s.get("stubs") or {}).get("count", 0), []).append(s)
             groups[w] = [(v[0], v[-1]) for v in by_count.values() if len(v) >= 2]
         else:
             groups[w] = [(after[0], after[-1])]

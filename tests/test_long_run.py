@@ -31,6 +31,8 @@ def test_the_server_is_compared_at_the_same_instance_count():
                 "server": {"rss_mb": rss, "fds": 60 + n, "threads": 28 + 35 * n}, "stubs": {"count": n}}
     varying = [s(0, 1, 63), s(60, 6, 238), s(120, 2, 98), s(180, 8, 308), s(240, 6, 238), s(300, 2, 98)]
     assert long_run.check_growth(varying, 30, rss_mb=20, fds=5, threads=5) == []     # more instances, not a leak
+    starting = varying + [{**s(330, 6, 203), "steady": False}]      # a stub up before its instance's threads
+    assert long_run.check_growth(starting, 30, rss_mb=20, fds=5, threads=5) == []
     leaking = varying + [s(360, 2, 98, rss=95.0)]
     assert long_run.check_growth(leaking, 30, rss_mb=20, fds=5, threads=5) == [
         "server rss_mb at 2 instance(s): 60.0 -> 95.0 (bound +20)"]
