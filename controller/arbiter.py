@@ -47,8 +47,9 @@ def _pressure(v: ModelView) -> float:
 
 def _idle_enough(v: ModelView) -> bool:
     """One instance fewer would still leave this model comfortable: its planner predicts so (`spare` in
-    the decision's plan: the fewest instances meeting its target at the upper band of its forecast, under
-    the consolidation margin, are fewer than it has), or, without the planner, the policy's low-load rule."""
+    the decision's plan: its consolidation check passed, i.e. fewer instances are predicted under the
+    consolidation margin at the upper band of its forecast, or the ones it would drop buy nothing at that
+    load), or, without the planner, the policy's low-load rule."""
     if not v.obs.valid:
         return False
     if v.decision.mode == "model" and v.decision.plan is not None:

@@ -422,6 +422,7 @@ def capacity_rps(settings: Settings, model: ServiceModel, max_batch: int, correc
 MARGIN = 0.9                 # a configuration is chosen when its predicted p99 stays under 0.9 x the target
 CONSOLIDATE_MARGIN = 0.8     # ... and a smaller one replaces the live one only under 0.8 x the target ...
 CONSOLIDATE_TICKS = 3        # ... on this many decisions in a row
+NO_GAIN = 1.05               # ... or when the instances it drops buy nothing: its p99 within 5% of the live one's
 CORRECTION_BOUNDS = (0.67, 1.5)  # observed/predicted p99 is applied within these bounds ...
 DISAGREE = 0.5               # ... and when its median is off by more than 50%, the model is not trusted
 RATIO_WINDOWS = 5            # recent windows the correction is the median of
@@ -514,6 +515,7 @@ class Plan:
     band: tuple[float, float, float] | None = None
     correction: float = 1.0
     state: PlannerState = PlannerState()
+    spare: int = 0                           # instances the live config could give up now (what the arbiter reads)
 
 
 def fallback(why: str, state: PlannerState) -> Plan:
@@ -525,6 +527,14 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
            device_util: float | None, exec_rps: float, avg_batch: float, now: float) -> Plan:
     """The fewest instances, then the shortest delay, predicted to keep p99 under MARGIN x target at
     the forecast's upper band; a smaller configuration only after CONSOLIDATE_TICKS checks in a row.
+
+    A smaller configuration qualifies when it is predicted under CONSOLIDATE_MARGIN x the target, or when
+    the instances it drops buy nothing at this load: its p99, predicted with the live configuration's
+    correction, is within NO_GAIN of the live one's (and under MARGIN x the target). The second rule is for
+    targets close to the model's own latency: with a 9 ms target on a model whose lone request takes
+    7.5 ms, 0.8 x 9 = 7.2 ms is out of reach at any load, yet at 0 req/s a second instance is pure waste.
+    (A configuration's own remembered ratio is not used there: it was measured at another load, and at
+    this one both configurations run the same lone requests.)
 
     Worked example (s(b) = 6 + 1.5 b measured at 1 instance, gamma 0.1, target 40 ms, max batch 32):
     the forecast says 220-260 req/s within the next reload + tick. At 260 req/s one instance at
@@ -574,6 +584,17 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
                     return c
         return None
 
+    def buys_nothing(live_c: Candidate) -> Candidate | None:
+        """The fewest instances (the live delay) predicted, with the live correction, within NO_GAIN of the
+        live p99 and under the margin: the instances above it buy nothing at this load."""
+        if not math.isfinite(live_c.p99_ms):
+            return None
+        for n in range(min_instances, live.instance_count):
+            c = predict(Settings(n, live.max_queue_delay_us), hi, model, mb, factor, limit, device)
+            if c is not None and c.meets and c.p99_ms <= NO_GAIN * live_c.p99_ms:
+                return c
+        return None
+
     live_c = at_hi(live)
     chosen = fewest(limit)
     common = dict(live=live_c, band=band, correction=factor)
@@ -582,24 +603,30 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     keep = dataclasses.replace(state, smaller_ticks=0, smaller_best=None)
     if live_c is not None and live_c.meets:
         # consolidation: the fewest predicted under the stricter margin (not the fewest under 0.9x: that one
-        # may sit just above 0.8x while a count between it and the live one fits well)
-        chosen = fewest(CONSOLIDATE_MARGIN * target_ms) or chosen
+        # may sit just above 0.8x while a count between it and the live one fits well), or fewer still where
+        # the instances dropped buy nothing
+        strict = fewest(CONSOLIDATE_MARGIN * target_ms)
+        free = buys_nothing(live_c)
+        chosen = min((c for c in (strict, free) if c is not None), default=chosen,
+                     key=lambda c: (c.settings.instance_count, c.settings.max_queue_delay_us))
         smaller = chosen is not None and (chosen.settings.instance_count < live.instance_count or (
             chosen.settings.instance_count == live.instance_count
             and chosen.settings.max_queue_delay_us < live.max_queue_delay_us))
-        if not smaller or chosen.p99_ms > CONSOLIDATE_MARGIN * target_ms:
+        if not smaller or (chosen is not free and chosen.p99_ms > CONSOLIDATE_MARGIN * target_ms):
             return Plan(None, "HoldPredictedOk", where, usable=True, chosen=chosen, state=keep, **common)
+        spare = max(0, live.instance_count - max(chosen.settings.instance_count, min_instances))
+        why = "buys nothing" if chosen is free else f"under {CONSOLIDATE_MARGIN:g}x the target"
         ticks = state.smaller_ticks + 1
         best = chosen.settings if state.smaller_best is None else max(
             state.smaller_best, chosen.settings, key=lambda s: (s.instance_count, s.max_queue_delay_us))
         st = dataclasses.replace(state, smaller_ticks=ticks, smaller_best=best)
         if ticks < CONSOLIDATE_TICKS:
             return Plan(None, "HoldConsolidationPending", f"{_fmt_settings(chosen.settings)} predicted "
-                        f"{chosen.p99_ms:.1f} ms ({ticks}/{CONSOLIDATE_TICKS}); {where}", usable=True, chosen=chosen,
-                        state=st, **common)
-        return Plan(best, change_reason(live, best, "Consolidated"), f"{_fmt_settings(best)} predicted under {CONSOLIDATE_MARGIN:g}x the target "
+                        f"{chosen.p99_ms:.1f} ms, {why} ({ticks}/{CONSOLIDATE_TICKS}); {where}", usable=True,
+                        chosen=chosen, state=st, spare=spare, **common)
+        return Plan(best, change_reason(live, best, "Consolidated"), f"{_fmt_settings(best)} predicted {why} "
                     f"{CONSOLIDATE_TICKS} times in a row; {where}", usable=True, chosen=at_hi(best) or chosen,
-                    state=keep, **common)
+                    state=keep, spare=spare, **common)
     if chosen is None:
         # nothing is predicted to meet the target: the configuration predicted best, if it beats the live one
         options = [c for c in (at_hi(Settings(max(ceiling, min_instances), d)) for d in delays) if c is not None]

@@ -426,11 +426,9 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
     if not plan.usable:
         return None, dataclasses.replace(state, plan=pstate), plan.detail
     state = dataclasses.replace(state, plan=plan.state)
-    # instances this model could give another one now: the fewest that meet the target, predicted
-    # under the consolidation margin (what the arbiter reads; the model's own scale-down waits k checks)
-    spare = 0
-    if plan.chosen is not None and plan.chosen.p99_ms <= planner.CONSOLIDATE_MARGIN * limits.p99_target_ms:
-        spare = max(0, n - max(plan.chosen.settings.instance_count, limits.min_instances))
+    # instances this model could give another one now (the planner's consolidation check, passed once:
+    # what the arbiter reads; the model's own scale-down waits CONSOLIDATE_TICKS checks)
+    spare = plan.spare
     record = {"band_rps": [round(x, 1) for x in plan.band] if plan.band else None,
               "correction": round(plan.correction, 3),
               "live": None if plan.live is None else plan.live.as_dict(),

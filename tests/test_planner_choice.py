@@ -395,3 +395,26 @@ def test_the_loop_attributes_the_device_by_instance_seconds_executing():
     assert Controller._device_fraction(SimpleNamespace(models={"me": me}), me, mine) is None   # alone
     elsewhere = SimpleNamespace(current=S(1), last_obs=obs(100.0, busy_fraction=1.0, gpus=(GpuObservation(1, 90.0, 1, 10),)))
     assert Controller._device_fraction(SimpleNamespace(models={"me": me, "x": elsewhere}), me, mine) is None
+
+
+def test_an_idle_model_under_a_tight_target_gives_back_instances_that_buy_nothing():
+    # s(1) = 7.5 ms, target 9 ms: 0.8 x 9 = 7.2 ms is out of reach even at 0 req/s, yet the second instance
+    # does nothing there. One instance was overloaded once and remembers a 1.4x ratio: at 0 req/s it does
+    # not count (both configurations run the same lone requests).
+    state = record_ratio(PlannerState(), 1.4 * 20.0, 20.0, "trace", 200, 50.0, live=S(1))
+    state = dataclasses.replace(state, ratios=())
+    for k in range(CONSOLIDATE_TICKS - 1):
+        p = run(S(2), 0.0, inputs(1, 2), state, target=9.0, now=100.0 + k)
+        assert p.reason == "HoldConsolidationPending" and p.spare == 1 and "buys nothing" in p.detail, p
+        state = p.state
+    p = run(S(2), 0.0, inputs(1, 2), state, target=9.0, now=100.0 + CONSOLIDATE_TICKS)
+    assert p.reason == "ScaleDownConsolidated" and p.target == S(1)
+
+
+def test_an_instance_that_buys_latency_is_not_spare():
+    # 2 instances at 200 req/s (band up to 220), target 30 ms: one instance alone is predicted at ~26 ms,
+    # under 0.9 x 30 but over 0.8 x 30 and far over 1.05 x the pair's ~16.5 ms: the second one is kept
+    p = run(S(2), 200.0, inputs(1, 2), target=30.0)
+    one = planner.predict(S(1), p.band[2], planner.ServiceModel.build(inputs(1, 2).fits, None), 32, 1.0, 27.0)
+    assert 0.8 * 30.0 < one.p99_ms <= 0.9 * 30.0 and one.p99_ms > planner.NO_GAIN * p.live.p99_ms
+    assert p.reason == "HoldPredictedOk" and p.spare == 0 and p.target is None
