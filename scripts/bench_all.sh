@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every bench scenario, one after the other, on this machine: one Markdown table and one PNG per scenario.
+#   scripts/bench_all.sh [OUT_DIR]          (default results/all; about 75 minutes on 2 cores)
+# For each scenario: a sweep of its instance x delay grid at its load levels (skipped when
+# OUT_DIR/<scenario>/sweep.json exists: copy a sweep there to reuse it), then the bench's arms side by side
+# on fresh servers (default, best_static, oracle, adaptive, and model_analyzer where a Model Analyzer pick
+# for the same model and SLA is given). Writes OUT_DIR/<scenario>/{sweep,summary}.json and timeline.png,
+# and OUT_DIR/table.md (python -m controller.evaluation.report), which it also prints.
+#   shift          the compressed day, SLA 40 ms (lenient: 5x the device time)
+#   shift_tight    the same day, SLA 25 ms (about 2.2x the unloaded client latency)
+#   bursty         on/off bursts at the same 200 req/s mean as smooth phases, SLA 40 ms
+#   delay_matters  the fixed-cost profile on a diurnal day, SLA 25 ms, 4 instances at most
+# SCENARIOS="shift bursty" runs a subset; MODEL_ANALYZER=FILE overrides docs/bench/model_analyzer_shift.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+OUT=${1:-results/all}
+SCENARIOS=${SCENARIOS:-shift shift_tight bursty delay_matters}
+MA=${MODEL_ANALYZER:-docs/bench/model_analyzer_shift.json}
+mkdir -p "$OUT"
+
+run() {   # run NAME SLA_MS REPOSITORY MODEL INSTANCES DELAYS MAX_INSTANCES [extra bench args...]
+    local name=$1 sla=$2 repo=$3 model=$4 inst=$5 delays=$6 maxi=$7; shift 7
+    local dir="$OUT/$name" scenario="scripts/scenarios/$name.yaml"
+    mkdir -p "$dir"
+    echo "== $name: $scenario, SLA $sla ms, $model ($(date -u +%H:%M:%S))"
+    if [ ! -f "$dir/sweep.json" ]; then
+        "$PY" -m controller sweep --repository "$repo" --model "$model" --scenario "$scenario" --instances "$inst" \
+            --delays-us "$delays" --seconds 4 --sla-ms "$sla" --out "$dir"
+    else
+        echo "   reusing $dir/sweep.json"
+    fi
+    "$PY" -m controller bench --repository "$repo" --model "$model" --scenario "$scenario" --sweep "$dir/sweep.json" \
+        --sla-ms "$sla" --max-instances "$maxi" --out "$dir" "$@"
+}
+
+SIM=model_repository
+FIXED=scripts/scenarios/repos/fixed_cost
+for s in $SCENARIOS; do
+    case $s in
+        shift)
+            if [ -f "$MA" ]; then run shift 40 $SIM sim_accel 1,2,4,6 0,2000 8 --model-analyzer "$MA"
+            else run shift 40 $SIM sim_accel 1,2,4,6 0,2000 8; fi ;;
+        shift_tight)   run shift_tight 25 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
+        bursty)        run bursty 40 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
+        delay_matters) run delay_matters 25 $FIXED sim_fixed 1,2,4 0,1000,4000 4 ;;
+        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters)" >&2; exit 2 ;;
+    esac
+done
+summaries=()
+for s in $SCENARIOS; do summaries+=("$OUT/$s/summary.json"); done
+"$PY" -m controller.evaluation.report "${summaries[@]}" | tee "$OUT/table.md"
+echo "PNGs: $(for s in $SCENARIOS; do printf '%s ' "$OUT/$s/timeline.png"; done)"
