@@ -20,7 +20,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from . import groups
@@ -58,12 +58,13 @@ def has_dynamic_batching(config: dict) -> bool:
     return "dynamic_batching" in config
 
 
-def with_settings(config: dict, target: Settings, prefer: Sequence[str] = ()) -> dict:
+def with_settings(config: dict, target: Settings, prefer: Sequence[str] = (),
+                  room: Mapping[str, int] | None = None) -> dict:
     """A copy of `config` running `target`. With one instance group its count becomes the target; with
-    several, instances are added on (removed from) the devices `prefer` names first (groups.with_total),
-    keeping the groups the user wrote."""
+    several, instances are added on (removed from) the devices `prefer` names first, and added only where
+    `room` allows (groups.with_total), keeping the groups the user wrote."""
     try:
-        new = groups.with_total(config, target.instance_count, prefer)
+        new = groups.with_total(config, target.instance_count, prefer, room=room)
     except groups.GroupError as e:
         raise ActuationError(str(e)) from e
     if has_dynamic_batching(new):
@@ -149,8 +150,10 @@ class Actuator:
         cfg = self.control.config(model)
         return cfg, settings_of(cfg)
 
-    def apply(self, model: str, target: Settings, prefer: Sequence[str] = ()) -> ApplyResult:
-        """`prefer`: the devices to add instances on first (groups.with_total), for a model on several."""
+    def apply(self, model: str, target: Settings, prefer: Sequence[str] = (),
+              room: Mapping[str, int] | None = None) -> ApplyResult:
+        """`prefer`: the devices to add instances on first; `room`: how many more fit on each (policy.memory_room);
+        both for a model on several devices (groups.with_total)."""
         t0 = time.monotonic()
         try:
             live_cfg, live = self.read(model)
@@ -160,7 +163,7 @@ class Actuator:
             return ApplyResult(True, "none", live, time.monotonic() - t0)
         kind = "in_place" if live.max_queue_delay_us == target.max_queue_delay_us else "full_reload"
         try:
-            new_cfg = with_settings(live_cfg, target, prefer)    # keeps the live parameters, an owner mark among them
+            new_cfg = with_settings(live_cfg, target, prefer, room)    # keeps the live parameters, an owner mark among them
             self.control.load(model, new_cfg)
             self._wait_ready(model)
             _, after = self.read(model)

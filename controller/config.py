@@ -54,7 +54,7 @@ class ModelLimits:
     scale_up_cooldown_s: float = 4.0    # after any change, wait this long before adding more
     scale_down_delay_s: float = 30.0    # load must stay low this long before an instance is removed
     delay_cooldown_s: float = 20.0      # at least this long between two delay changes (full reloads)
-    memory_budget_mb: float | None = None   # None: no cap beyond the device's total less headroom
+    memory_budget_mb: float | None = None   # per GPU the model is on; None: the GPU's total less headroom
     memory_headroom_pct: float = 10.0   # of the device's total memory, kept free
     min_gain_pct: float = 10.0          # an added instance must raise throughput this much
     priority: int = 0                   # higher wins when one budget cannot meet every target

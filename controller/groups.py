@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 KIND_GPU, KIND_CPU, KIND_MODEL, KIND_AUTO = "KIND_GPU", "KIND_CPU", "KIND_MODEL", "KIND_AUTO"
@@ -216,13 +216,16 @@ def _rank(device: str, prefer: Sequence[str]) -> int:
     return prefer.index(device) if device in prefer else len(prefer)
 
 
-def with_total(config: dict, total: int, prefer: Sequence[str] = (), visible_gpus: Sequence[int] | None = None) -> dict:
+def with_total(config: dict, total: int, prefer: Sequence[str] = (), visible_gpus: Sequence[int] | None = None,
+               room: Mapping[str, int] | None = None) -> dict:
     """A copy of `config` running `total` active instances, one step at a time.
 
     Each added instance goes to the device that comes first in `prefer` (devices not in it come after, in
     the order the groups name them), among equals to the one with the fewest instances; each removed one
     from the device with the most instances among the least preferred. Only devices the active groups
     already use are ever chosen. With one group this is the old behaviour: its count becomes `total`.
+    `room` (device -> instances that still fit there, e.g. policy.memory_room) stops adds on a device once
+    its room is used up; a device it does not name is not limited. GroupError when no device has room left.
     """
     new = copy.deepcopy(config)
     if not config.get("instance_group"):
@@ -234,10 +237,17 @@ def with_total(config: dict, total: int, prefer: Sequence[str] = (), visible_gpu
     if total < len(per):
         raise GroupError(f"cannot run {total} instance(s): the instance groups place the model on {len(per)} devices "
                          f"({', '.join(order)}), each keeps at least one")
+    left = dict(room or {})
     while sum(per.values()) < total:
-        d = min(order, key=lambda k: (_rank(k, prefer), per[k], order.index(k)))
+        open_ = [k for k in order if left.get(k, 1) > 0]
+        if not open_:
+            raise GroupError(f"no room for {total} instance(s): every device the model is on is at its memory "
+                             f"budget at {sum(per.values())} ({', '.join(f'{k}: {per[k]}' for k in order)})")
+        d = min(open_, key=lambda k: (_rank(k, prefer), per[k], order.index(k)))
         new = add_one(new, d, visible_gpus)
         per[d] += 1
+        if d in left:
+            left[d] -= 1
     while sum(per.values()) > total:
         d = max((k for k in order if per[k] > 1), key=lambda k: (_rank(k, prefer), per[k], order.index(k)))
         new = remove_one(new, d, visible_gpus)
@@ -245,15 +255,18 @@ def with_total(config: dict, total: int, prefer: Sequence[str] = (), visible_gpu
     return new
 
 
-def preference(per_device: dict[str, int], utilization: dict[str, float | None] | None = None) -> list[str]:
+def preference(per_device: dict[str, int], utilization: dict[str, float | None] | None = None,
+               room: Mapping[str, int] | None = None) -> list[str]:
     """The order in which to add instances: the device with the most headroom first.
 
-    Headroom is the device's utilisation (NVML, 10-point steps so noise does not flip the order) where known,
-    then this model's instances on it (fewest first). With no readings: the fewest instances first.
+    Devices without memory room (`room` <= 0, when given) come last: instances are added elsewhere and
+    removed there first. Then headroom: the device's utilisation (NVML, 10-point steps so noise does not flip
+    the order) where known, then this model's instances on it (fewest first). With no readings: the fewest
+    instances first.
     """
-    utilization = utilization or {}
+    utilization, room = utilization or {}, room or {}
 
     def key(d: str):
         u = utilization.get(d)
-        return (0 if u is None else int(u // 10), per_device[d], list(per_device).index(d))
+        return (room.get(d, 1) <= 0, 0 if u is None else int(u // 10), per_device[d], list(per_device).index(d))
     return sorted(per_device, key=key)

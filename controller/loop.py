@@ -278,12 +278,13 @@ class Controller:
                 mm.limits = dataclasses.replace(mm.limits, p99_target_ms=t.target_ms)
             mm.target_from = t if t.ensemble else None
 
-    def _prefer(self, mm: ManagedModel) -> tuple[str, ...]:
-        """For a model on several devices: where to add instances first (groups.preference), from the readings."""
+    def _prefer(self, mm: ManagedModel, room: dict[str, int] | None = None) -> tuple[str, ...]:
+        """For a model on several devices: where to add instances first (groups.preference), from the readings
+        and the memory room on each (policy.memory_room)."""
         if len(mm.per_device) < 2:
             return ()
         util = {groups.gpu_key(g.index): g.utilization_pct for g in self._last_devices}
-        return tuple(groups.preference(mm.per_device, util))
+        return tuple(groups.preference(mm.per_device, util, room))
 
     # -- one tick -------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -366,6 +367,8 @@ class Controller:
         mm.observer.add_scrape(now, counters, None if stats is None else stats.get(mm.name), mm.current)
         on_device = not self._simulating or self.simulated.hosts(counters)
         obs = mm.observer.observe(now, mm.current, devices if on_device else (), mm.max_batch_size)
+        if obs.valid and mm.per_device:
+            obs = dataclasses.replace(obs, placement=tuple(mm.per_device.items()))
         if counters is not None and self._simulating and self.simulated.hosts(counters):
             # the simulated device says what each instance holds; a real GPU's is learned from step deltas
             per = counters.custom.get(SIM_MEMORY_METRIC, 0) / max(1, mm.current.instance_count)
@@ -504,10 +507,12 @@ class Controller:
                                                            mark=self._mark())
         if self._workers is None:
             self._workers = ThreadPoolExecutor(max_workers=max(2, len(self.models)), thread_name_prefix="reload")
-        target, prefer = decision.target, self._prefer(mm)
+        # on several devices, instances go where memory allows (the budget holds per GPU: policy.memory_room)
+        room = policy.memory_room(mm.limits, mm.state, obs) if len(mm.per_device) > 1 else None
+        target, prefer = decision.target, self._prefer(mm, room)
 
         def work():
-            result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target, prefer)
+            result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target, prefer, room)
             return result, self.clock()
 
         mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full, now)

@@ -159,8 +159,27 @@ def device_memory(obs: Observation) -> tuple[int | None, int | None]:
     return sum(used), (sum(total) if all(t is not None for t in total) else None)
 
 
+def gpu_memory(obs: Observation) -> dict[str, tuple[int, int | None]] | None:
+    """{"gpu<k>": (used, total)} for each GPU this model's instances are on, from that GPU's own reading;
+    None when the model is on no GPU the controller reads (a CPU group, the single simulated device) or a
+    GPU it is on has no memory reading: then the memory rules use `device_memory` over every device."""
+    keys = [d for d, _ in obs.placement if d.startswith("gpu") and d[3:].isdigit()]
+    by_key = {f"gpu{g.index}": g for g in obs.gpus}
+    if not keys or any(k not in by_key or by_key[k].memory_used_bytes is None for k in keys):
+        return None
+    return {k: (int(by_key[k].memory_used_bytes), by_key[k].memory_total_bytes) for k in keys}
+
+
+def memory_in_use(obs: Observation) -> int | None:
+    """The memory in use that this model's steps are learned from: on the GPUs it is on (`gpu_memory`),
+    else over every device observed."""
+    mem = gpu_memory(obs)
+    return device_memory(obs)[0] if mem is None else sum(used for used, _ in mem.values())
+
+
 def memory_budget_bytes(limits: ModelLimits, total_bytes: int | None) -> float | None:
     """The configured budget, else the device's total less the headroom; None if neither is known.
+    On a model placed on several GPUs the budget holds on each of them (see `memory_room`).
 
     Example: a 80 GiB device with 10% headroom gives a budget of 72 GiB.
     """
@@ -192,12 +211,50 @@ def learn_instance_memory(state: PolicyState, used_now: int | None) -> PolicySta
     return dataclasses.replace(state, instance_memory_bytes=per if old is None else (old + per) / 2)
 
 
+def memory_room(limits: ModelLimits, state: PolicyState, obs: Observation) -> dict[str, int] | None:
+    """Per GPU this model is on: how many more of its instances fit there (negative: over the budget there).
+    None where `gpu_memory` is None or nothing bounds it (no budget known, or the cost per instance unknown:
+    then `memory_cap` allows one step to learn it, on any GPU that is under its budget: 1 there, 0 elsewhere).
+
+    The budget holds per GPU, because a GPU fills on its own: on a 2-GPU server with the model's 2 instances
+    on gpu0 (7 of 8 GiB used, 1 GiB each) and 1 on gpu1 (3 of 8 GiB), a budget of 7.2 GiB leaves room for
+    0 more on gpu0 and 4 more on gpu1, where the sum over the server (10 of 16 GiB) would put the next ones
+    anywhere, gpu0 included.
+    """
+    mem = gpu_memory(obs)
+    if mem is None:
+        return None
+    n_on = dict(obs.placement)
+    per = state.instance_memory_bytes
+    room: dict[str, int] = {}
+    for key, (used, total) in mem.items():
+        budget = memory_budget_bytes(limits, total)
+        if budget is None:
+            return None
+        if per is None:
+            room[key] = 1 if used < budget else 0
+        else:
+            others = used - n_on[key] * per
+            room[key] = int((budget - others) // per) - n_on[key]
+    return room
+
+
 def memory_cap(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation) -> int | None:
     """The most instances the memory budget allows for an in-place change; None if unbounded/unknown.
 
     Example: budget 1000 MiB, 600 MiB used with 2 instances of 100 MiB: others use 400 MiB,
-    so (1000 - 400) / 100 = 6 instances fit.
+    so (1000 - 400) / 100 = 6 instances fit. On several GPUs (`memory_room`): the live count plus the room
+    on each GPU (the loop then adds instances only where there is room: `groups.with_total(room=...)`);
+    on gpu0 full and gpu1 with room for 4 above, 3 + 0 + 4 = 7.
     """
+    room = memory_room(limits, state, obs)
+    if room is not None:
+        if state.instance_memory_bytes is None:
+            # unknown cost per instance: one step to learn it, where a GPU has room
+            return current.instance_count + (1 if any(r > 0 for r in room.values()) else 0)
+        return max(0, current.instance_count + sum(room.values()))
+    if gpu_memory(obs) is not None:
+        return None
     used, total = device_memory(obs)
     budget = memory_budget_bytes(limits, total)
     per = state.instance_memory_bytes
@@ -211,12 +268,22 @@ def memory_cap(current: Settings, limits: ModelLimits, state: PolicyState, obs: 
 
 
 def full_reload_fits(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation) -> bool:
-    """A full reload loads a second copy with all instances before the old one goes: used + n x per."""
+    """A full reload loads a second copy with all instances before the old one goes: used + n x per,
+    on each GPU the model is on where it is on several (`gpu_memory`), else over the devices observed."""
+    per = state.instance_memory_bytes
+    mem = gpu_memory(obs)
+    if mem is not None:
+        n_on = dict(obs.placement)
+        for key, (used, total) in mem.items():
+            budget = memory_budget_bytes(limits, total)
+            if budget is not None and per is not None and used + n_on[key] * per > budget:
+                return False
+        return True
     used, total = device_memory(obs)
     budget = memory_budget_bytes(limits, total)
-    if budget is None or used is None or state.instance_memory_bytes is None:
+    if budget is None or used is None or per is None:
         return True
-    return used + current.instance_count * state.instance_memory_bytes <= budget
+    return used + current.instance_count * per <= budget
 
 
 # ---- stage 3: review the last instance step -------------------------------------------------------
@@ -467,7 +534,7 @@ def decide(obs: Observation, current: Settings, state: PolicyState, limits: Mode
         if held.reason == "HoldNoData" and state.low_since is not None:
             state = dataclasses.replace(state, low_since=None)   # why: a gap breaks a low-load streak
         return held, state
-    used, _ = device_memory(obs)
+    used = memory_in_use(obs)
     state = learn_instance_memory(state, used)
     state = record_perf(state, obs, current, limits, now)
     state, back = review_step(obs, current, state, limits, now)
@@ -506,7 +573,7 @@ def record_applied(state: PolicyState, decision: Decision, before: Settings, obs
                    apply_s: float | None = None) -> PolicyState:
     """Remember a change that succeeded (only then: the HPA stores a scale event after Update returns).
     `apply_s`, how long it took, feeds the planner's horizon (a change pays off after reload + tick)."""
-    used, _ = device_memory(obs)
+    used = memory_in_use(obs)
     step = StepRecord(now, before, decision.target, obs.completion_rps, obs.p99_ms, used)
     delay_changed = decision.target.max_queue_delay_us != before.max_queue_delay_us
     plan = dataclasses.replace(state.plan, smaller_ticks=0, smaller_best=None)

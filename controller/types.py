@@ -60,6 +60,7 @@ class Observation:
     predicted_p99_ms: float | None = None  # planner.simulate for the live config at this arrival rate (the planner's check)
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
     gpus: tuple[GpuObservation, ...] = ()
+    placement: tuple[tuple[str, int], ...] = ()   # this model's live instances per device (groups.py keys: "gpu1", "cpu")
     service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config
     invalid_reason: str = ""              # when valid=False: "no_samples" | "scrape_failed" | "too_few_samples" | "span_too_short"
 

@@ -186,6 +186,34 @@ def test_preference_by_utilisation_then_instances():
     assert G.preference(per, {"gpu0": 11.0, "gpu1": 19.0, "gpu2": None})[0] == "gpu2"   # unknown counts as idle
 
 
+def test_adds_stop_on_a_device_without_memory_room():
+    c = cfg({"name": "m_0", "count": 1, "kind": "KIND_GPU", "gpus": [0, 1]})
+    # gpu0 is preferred (idle) but has no room; gpu1 has room for 2: both new instances go to gpu1
+    new = G.with_total(c, 4, prefer=["gpu0", "gpu1"], room={"gpu0": 0, "gpu1": 2})
+    assert G.instances_per_device(new) == {"gpu0": 1, "gpu1": 3}
+    # room for one on each: the preferred first, then the other, not two on the preferred
+    new = G.with_total(c, 4, prefer=["gpu0", "gpu1"], room={"gpu0": 1, "gpu1": 1})
+    assert G.instances_per_device(new) == {"gpu0": 2, "gpu1": 2}
+    assert sum(G.instances_per_device(G.with_total(c, 5, room={"gpu0": 1, "gpu1": 2})).values()) == 5
+    with pytest.raises(G.GroupError, match="no room for 6 instance"):
+        G.with_total(c, 6, room={"gpu0": 1, "gpu1": 2})
+    # removing is not limited by room (a device over its budget gives first when least preferred)
+    four = G.with_total(c, 4, prefer=["gpu1"])
+    assert sum(G.instances_per_device(G.with_total(four, 3, prefer=["gpu1", "gpu0"], room={"gpu0": -1})).values()) == 3
+
+
+def test_preference_puts_devices_without_room_last():
+    per = {"gpu0": 1, "gpu1": 3, "gpu2": 1}
+    assert G.preference(per, {"gpu0": 5.0, "gpu1": 50.0, "gpu2": 5.0}, room={"gpu0": 0, "gpu1": 2, "gpu2": -1}) \
+        == ["gpu1", "gpu0", "gpu2"]
+
+
+def test_with_settings_passes_room_to_the_groups():
+    c = cfg({"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]})
+    new = with_settings(c, Settings(3, 0), prefer=["gpu0"], room={"gpu0": 0})
+    assert G.instances_per_device(new) == {"gpu0": 1, "gpu1": 2}
+
+
 # ---- actuation keeps its single-group behaviour -----------------------------------------------------------
 
 def test_with_settings_single_group_unchanged():

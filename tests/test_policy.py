@@ -1045,3 +1045,78 @@ def test_restart_holds_a_window_but_keeps_what_was_measured():
     assert (new.started_at, new.low_since, new.saturated_at, new.last_change_at) == (NOW, None, None, -math.inf)
     decision, _ = decide(obs(**LOW), S(3), new, LIMITS, LOOP, NOW + 5.0)
     assert decision.reason == "HoldWarmup"
+
+
+# =====================================================================================
+# the memory budget per GPU (a model on several GPUs; issue 15)
+# =====================================================================================
+
+GiB_MB = 1024
+
+
+def gpus(*used_total_gib: tuple[float, float]) -> tuple[GpuObservation, ...]:
+    return tuple(GpuObservation(index=k, utilization_pct=50.0, memory_used_bytes=int(u * GiB_MB * MiB),
+                                memory_total_bytes=int(t * GiB_MB * MiB)) for k, (u, t) in enumerate(used_total_gib))
+
+
+def test_memory_room_is_per_gpu_docstring_example():
+    # 2 instances on gpu0 (7 of 8 GiB), 1 on gpu1 (3 of 8 GiB), 1 GiB each, a 7.2 GiB budget on each GPU
+    o = obs(gpus=gpus((7, 8), (3, 8)), placement=(("gpu0", 2), ("gpu1", 1)))
+    st_, lim = state(instance_memory_bytes=GiB_MB * MiB), limits(memory_budget_mb=7.2 * GiB_MB)
+    assert policy.memory_room(lim, st_, o) == {"gpu0": 0, "gpu1": 4}
+    assert memory_cap(S(3), lim, st_, o) == 7
+    # the sum over the server (10 of 16 GiB against 7.2) would have allowed nothing more at all
+    assert memory_cap(S(3), lim, st_, dataclasses.replace(o, placement=())) == 0
+
+
+def test_a_model_on_one_gpu_of_several_is_bounded_by_that_gpu_only():
+    # gpu0 is full of another process; the model lives on gpu1 alone (2 instances, 3 of 8 GiB)
+    o = obs(gpus=gpus((7.9, 8), (3, 8)), placement=(("gpu1", 2),))
+    st_ = state(instance_memory_bytes=GiB_MB * MiB)
+    lim = limits(memory_headroom_pct=10.0)          # no budget set: 90% of each GPU, 7.2 GiB
+    assert policy.memory_room(lim, st_, o) == {"gpu1": 4}
+    assert memory_cap(S(2), lim, st_, o) == 6
+    assert full_reload_fits(S(2), lim, st_, o)      # 3 + 2 x 1 GiB on gpu1 fits; gpu0 is not the model's
+
+
+def test_eight_gpus_one_instance_each_room_differs_per_gpu():
+    used = [(1, 8)] * 6 + [(6.5, 8), (7.5, 8)]
+    o = obs(gpus=gpus(*used), placement=tuple((f"gpu{k}", 1) for k in range(8)))
+    st_, lim = state(instance_memory_bytes=GiB_MB * MiB), limits(memory_budget_mb=7 * GiB_MB)
+    room = policy.memory_room(lim, st_, o)
+    assert room == {**{f"gpu{k}": 6 for k in range(6)}, "gpu6": 0, "gpu7": -1}
+    assert memory_cap(S(8), lim, st_, o) == 8 + 36 - 1
+
+
+def test_a_full_reload_must_fit_on_every_gpu_the_model_is_on():
+    # a second copy of gpu0's 3 instances does not fit there (5 + 3 > 7.2) though the sum would (8 + 4 < 14.4)
+    o = obs(gpus=gpus((5, 8), (3, 8)), placement=(("gpu0", 3), ("gpu1", 1)))
+    st_, lim = state(instance_memory_bytes=GiB_MB * MiB), limits(memory_headroom_pct=10.0)
+    assert not full_reload_fits(S(4), lim, st_, o)
+    assert full_reload_fits(S(4), lim, st_, dataclasses.replace(o, gpus=gpus((4, 8), (3, 8))))
+
+
+def test_unknown_cost_per_instance_allows_one_step_where_a_gpu_has_room():
+    o = obs(gpus=gpus((7.5, 8), (2, 8)), placement=(("gpu0", 1), ("gpu1", 1)))
+    lim = limits(memory_budget_mb=7 * GiB_MB)
+    assert policy.memory_room(lim, state(), o) == {"gpu0": 0, "gpu1": 1}
+    assert memory_cap(S(2), lim, state(), o) == 3
+    full = obs(gpus=gpus((7.5, 8), (7.5, 8)), placement=(("gpu0", 1), ("gpu1", 1)))
+    assert memory_cap(S(2), lim, state(), full) == 2
+
+
+def test_cpu_placements_and_gpus_without_readings_keep_the_sum_rule():
+    st_, lim = state(instance_memory_bytes=100 * MiB), limits(memory_budget_mb=1000)
+    # the single simulated device: the model's groups are KIND_CPU ("cpu"): the sum over the device
+    o = obs(gpus=gpu(600), placement=(("cpu", 2),))
+    assert policy.memory_room(lim, st_, o) is None and memory_cap(S(2), lim, st_, o) == 6
+    # a GPU the model is on has no reading: nothing per GPU to go by, so the sum over the devices observed
+    o = obs(gpus=gpu(600), placement=(("gpu0", 1), ("gpu3", 1)))
+    assert policy.memory_room(lim, st_, o) is None
+    assert memory_cap(S(2), lim, st_, o) == 6
+
+
+def test_memory_learned_from_a_step_counts_the_model_gpus_only():
+    o = obs(gpus=gpus((5, 8), (3, 8), (1, 8)), placement=(("gpu0", 2), ("gpu1", 1)))
+    assert policy.memory_in_use(o) == 8 * GiB_MB * MiB
+    assert policy.memory_in_use(dataclasses.replace(o, placement=())) == 9 * GiB_MB * MiB

@@ -6,10 +6,12 @@ a model without batching, a Python BLS model. The repository is built in a tmp f
 * `ens`: an ensemble whose one step is `sim2`. Never reloaded, never given instances.
 * `plain`: the simulated model with `max_batch_size: 0` and no dynamic batcher: instances only.
 * `bls`: a Python model that calls `sim2` for each request (Business Logic Scripting).
+* `hog`: an idle copy of the simulated model with 2 instances on simulated GPU 0 only, for the per-GPU budget.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import threading
@@ -98,7 +100,8 @@ def repo_server(tmp_path_factory):
     (repo / "bls" / "1").mkdir(parents=True)
     (repo / "bls" / "config.pbtxt").write_text(BLS_CONFIG)
     (repo / "bls" / "1" / "model.py").write_text(BLS_MODEL)
-    s = start_server(["sim2", "ens", "plain", "bls"], repository=repo)
+    _sim_copy(repo, "hog", {"{ count: 1, kind: KIND_CPU }": '{ name: "hog_simgpu0", count: 2, kind: KIND_CPU }'})
+    s = start_server(["sim2", "ens", "plain", "bls", "hog"], repository=repo)
     yield s
     s.stop()
 
@@ -204,7 +207,6 @@ def test_a_bls_model_is_managed_and_serves_without_failures(repo_server, tmp_pat
 def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog):
     """Only the ensemble has a target (25 ms); its step is not named and its own (default) target is loose
     (1 s). The controller manages the step as part of the ensemble, on the ensemble's target."""
-    import dataclasses
     import logging
 
     import numpy as np
@@ -233,3 +235,58 @@ def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog
     print(f"ensemble client p99: first half {np.percentile(lat[done < np.median(done)], 99):.1f} ms, "
           f"second half {np.percentile(late, 99):.1f} ms (target 25 ms); step at "
           f"{controller.models['sim2'].current.instance_count} instances")
+
+
+def _gpu_memory_mib(metrics_url: str) -> dict[int, float]:
+    """Memory in use per simulated GPU, as the instances report it on the server's /metrics."""
+    import re
+    import urllib.request
+    with urllib.request.urlopen(metrics_url, timeout=2.0) as r:
+        text = r.read().decode()
+    out: dict[int, float] = {}
+    for m in re.finditer(r"^sim_gpu(\d+)_memory_bytes\{[^}]*\} (\S+)$", text, re.M):
+        out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + float(m.group(2)) / 2**20
+    return out
+
+
+def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_room(repo_server, tmp_path):
+    """sim2 has one instance on each simulated GPU; `hog` fills GPU 0 up to the 192 MiB budget (2 + 1 instances
+    of 64 MiB), GPU 1 holds 64 MiB. Under load sim2 may grow by 2, on GPU 1 only: the budget holds on each GPU
+    (summed over both GPUs, 256 MiB of a 192 MiB budget would have allowed none)."""
+    from controller.actuation import Actuator
+    from controller.types import Settings
+    control = TritonControl(repo_server.grpc_url, repo_server.http_url)
+    assert Actuator(control).apply("sim2", Settings(2, 0)).ok
+    assert groups.instances_per_device(control.config("sim2")) == {"gpu0": 1, "gpu1": 1}
+    budget_mb = 192.0
+    limits = dataclasses.replace(_limits(max_instances=6), memory_budget_mb=budget_mb)
+    cfg = _config(repo_server, tmp_path, {"sim2": limits})
+    stop, samples, errors = threading.Event(), [], []
+
+    def watch():
+        watcher = TritonControl(repo_server.grpc_url, repo_server.http_url)
+        while not stop.wait(0.25):
+            try:
+                samples.append((groups.instances_per_device(watcher.config("sim2")), _gpu_memory_mib(repo_server.metrics_url)))
+            except Exception as e:  # noqa: BLE001 - a missed sample is counted, not fatal
+                errors.append(repr(e))
+        watcher.close()
+
+    results: list = []
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        with running(cfg):
+            _load(repo_server, "sim2", rate_rps=260, seconds=25, out=results, seed=13)
+    finally:
+        stop.set()
+        thread.join()
+    assert results and all(r.ok for r in results), [r for r in results if not r.ok][:3]
+    assert len(samples) >= 60 and len(errors) <= len(samples) // 10, errors[:3]
+    assert all(per["gpu0"] == 1 for per, _ in samples), [per for per, _ in samples if per["gpu0"] != 1][:3]
+    assert max(per["gpu1"] for per, _ in samples) == 3, samples[-1]     # grew by 2, where there was room
+    over = [mem for _, mem in samples if any(v > budget_mb for v in mem.values())]
+    assert not over, over[:3]                                            # as the device reported it, per GPU
+    records = _records(tmp_path / "decisions.jsonl")
+    assert not [r for r in records if r["action"] == "failed"], [r for r in records if r["action"] == "failed"][:2]
+    assert any(r["reason"] == "HoldMemoryCap" for r in records), {r["reason"] for r in records}
