@@ -607,6 +607,8 @@ class Controller:
                   "current": _asdict(mm.current if action != "applied" else None) or None,
                   "target": _asdict(decision.target), "obs": summarize_obs(obs),
                   "tracing": self.traces.describe(mm.name)}
+        if len(mm.per_device) > 1:
+            record["per_device"] = dict(mm.per_device)    # the live placement as last read (before this change)
         if decision.held_by is not None:
             record["held_by"] = decision.held_by.value
         if decision.mode:

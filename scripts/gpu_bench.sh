@@ -14,7 +14,11 @@
 #  2. check NVML sees a device (the controller runs with `gpu: nvml`, so no NVML = no bench);
 #  3. sweep instances 1,2,4 x max_queue_delay_us 0,2000 at the scenario's levels (about 1.5 minutes);
 #  4. bench default / best_static / oracle / adaptive over scripts/scenarios/gpu_short.yaml (80 s of
-#     traffic per arm, about 6-7 minutes with server starts) and print the same summary table.
+#     traffic per arm, about 6-7 minutes with server starts) and print the same summary table;
+#  5. only where NVML sees 2 or more GPUs (TWO_GPUS=0 skips it): the adaptive arm again with resnet_tiny on
+#     GPUs 0 and 1 (`{ count: 1, kind: KIND_GPU, gpus: [ 0, 1 ] }`: one instance on each), up to 6 instances,
+#     into OUT_DIR/two_gpus, then print where the instances went (the decision log's per-device placement;
+#     about 2 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -49,3 +53,28 @@ mkdir -p "$OUT"
     --instances 1,2,4 --delays-us 0,2000 --seconds 3 --sla-ms "$SLA_MS" --out "$OUT"
 "$PY" -m controller bench --model resnet_tiny --repository "$REPO" --scenario "$SCENARIO" \
     --sweep "$OUT/sweep.json" --sla-ms "$SLA_MS" --controller-gpu nvml --max-instances 4 --out "$OUT"
+
+NGPU=$("$PY" -c "import pynvml; pynvml.nvmlInit(); print(pynvml.nvmlDeviceGetCount())")
+if [ "${TWO_GPUS:-1}" != "0" ] && [ "$NGPU" -ge 2 ]; then
+    REPO2=$(mktemp -d /tmp/gpu-bench-repo2.XXXXXX)
+    trap 'rm -rf "$REPO" "$REPO2"' EXIT
+    cp -r "$REPO/resnet_tiny" "$REPO2/"
+    sed -i 's/{ count: 1, kind: KIND_GPU }/{ count: 1, kind: KIND_GPU, gpus: [ 0, 1 ] }/' "$REPO2/resnet_tiny/config.pbtxt"
+    grep -q "gpus: \[ 0, 1 \]" "$REPO2/resnet_tiny/config.pbtxt" \
+        || { echo "gpu_bench.sh: could not place resnet_tiny on GPUs 0 and 1" >&2; exit 1; }
+    "$PY" -m controller bench --model resnet_tiny --repository "$REPO2" --scenario "$SCENARIO" --arms adaptive \
+        --sweep "$OUT/sweep.json" --sla-ms "$SLA_MS" --controller-gpu nvml --max-instances 6 --out "$OUT/two_gpus"
+    "$PY" - "$OUT/two_gpus" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+records = [json.loads(line) for line in (out / "adaptive_decisions.jsonl").read_text().splitlines() if line.strip()]
+placed = [r["per_device"] for r in records if r.get("per_device")]
+applied = [(r["reason"], r["target"]) for r in records if r["action"] == "applied"]
+print(f"two GPUs: {len(applied)} change(s) applied: {applied}")
+print(f"two GPUs: placements seen: {sorted({json.dumps(p, sort_keys=True) for p in placed})}")
+print(f"two GPUs: last placement {placed[-1] if placed else 'none recorded'}")
+PYEOF
+else
+    echo "gpu_bench.sh: $NGPU GPU(s): the two-GPU part is skipped"
+fi

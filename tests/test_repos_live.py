@@ -290,3 +290,6 @@ def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_roo
     records = _records(tmp_path / "decisions.jsonl")
     assert not [r for r in records if r["action"] == "failed"], [r for r in records if r["action"] == "failed"][:2]
     assert any(r["reason"] == "HoldMemoryCap" for r in records), {r["reason"] for r in records}
+    # the decision log says where the instances are (what scripts/gpu_bench.sh prints for two real GPUs)
+    assert records[0]["per_device"] == {"gpu0": 1, "gpu1": 1}
+    assert any(r.get("per_device") == {"gpu0": 1, "gpu1": 3} for r in records)
