@@ -13,12 +13,23 @@ Who donates, in order:
    `RebalanceToHotModel`. With the planner the hot model is marked as soon as its forecast says its
    ceiling will not hold, so the instance moves before its queue builds;
 2. failing that, a model of *lower priority* than the hot one even if it is busy: its SLA is given up
-   for the higher-priority model's, and the reason says so: `RebalanceToHigherPriority`.
-A model never goes below its `min_instances`, and equal priorities never take from a busy model.
+   for the higher-priority model's, and the reason says so: `RebalanceToHigherPriority`;
+3. failing that, with the planner's predicted capacities for both (`ModelView.capacity_rps`: req/s within
+   target at n-1, n, n+1 instances), a busy model of equal or lower priority whose instance buys clearly
+   less goodput than it would buy the hot model: `RebalanceForGoodput`. Goodput bought by an instance =
+   min(demand, capacity with it) - min(demand, capacity without it), demand = the upper band of the
+   model's forecast (else its arrival rate). "Clearly": gain >= GOODPUT_GAIN x loss + GOODPUT_MIN_RPS, so
+   the reverse move is never also worth it. Example: hot `a` at 2 instances, demand 400 req/s, capacity
+   300 at 2 and 390 at 3 (gain 90); busy `b` at 3, demand 150, capacity 170 at 3 and 140 at 2 (loss 10):
+   90 >= 1.5 x 10 + 5, so `b` gives one to `a`: 80 req/s more within target in all.
+Several hot models: the one of highest priority first; among equals, the one an instance buys the most
+goodput for (where capacities are known), then the one deepest into its target. A model never goes below
+its `min_instances`.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config import ModelLimits
@@ -36,6 +47,37 @@ class ModelView:
     obs: Observation
     limits: ModelLimits
     instance_memory_bytes: float | None = None
+    capacity_rps: Mapping[int, float | None] | None = None   # planner.capacities at n-1, n, n+1 (for `current`)
+
+
+GOODPUT_GAIN = 1.5       # a busy donor gives only if the hot model's gain is this many times its loss ...
+GOODPUT_MIN_RPS = 5.0    # ... plus this many req/s
+
+
+def _demand(v: ModelView) -> float:
+    band = (v.decision.plan or {}).get("band_rps") if v.decision.plan else None
+    return float(band[2]) if band else v.obs.arrival_rps
+
+
+def _bought(v: ModelView, without: int, with_: int) -> float | None:
+    """Goodput (req/s within target) the instance between `without` and `with_` instances buys this model
+    at its demand; None where a capacity is unknown."""
+    caps = v.capacity_rps or {}
+    lo, hi = caps.get(without), caps.get(with_)
+    if lo is None or hi is None:
+        return None
+    d = _demand(v)
+    return max(0.0, min(d, hi) - min(d, lo))
+
+
+def _gain(v: ModelView) -> float | None:
+    n = v.current.instance_count
+    return _bought(v, n, n + 1)
+
+
+def _loss(v: ModelView) -> float | None:
+    n = v.current.instance_count
+    return _bought(v, n - 1, n)
 
 
 def _pressure(v: ModelView) -> float:
@@ -66,8 +108,9 @@ def arbitrate(views: list[ModelView]) -> dict[str, Decision]:
     hot = [v for v in views if v.decision.valid and v.decision.held_by is Cap.MEMORY]
     if not hot:
         return {}
-    # The most important blocked model first; among equals, the one deepest into its target.
-    hot.sort(key=lambda v: (-v.limits.priority, -_pressure(v)))
+    # The most important blocked model first; among equals, the one an instance buys the most goodput for,
+    # then the one deepest into its target.
+    hot.sort(key=lambda v: (-v.limits.priority, -(_gain(v) or 0.0), -_pressure(v)))
     busy_elsewhere = any(v.decision.target != v.current for v in views)
     if busy_elsewhere:
         return {}   # why: one move at a time on a shared device; let the change in flight land first
@@ -88,6 +131,16 @@ def arbitrate(views: list[ModelView]) -> dict[str, Decision]:
                                   f"the budget cannot meet every target: {d.name} (priority {d.limits.priority}) "
                                   f"gives up its {d.limits.p99_target_ms:g} ms target for {h.name} "
                                   f"(priority {h.limits.priority}, p99 {_ms(h.obs.p99_ms)} of {h.limits.p99_target_ms:g} ms)")}
+        gain = _gain(h)
+        if gain is None:
+            continue
+        worth = [(loss, v) for v in donors if v.limits.priority <= h.limits.priority
+                 for loss in [_loss(v)] if loss is not None and gain >= GOODPUT_GAIN * loss + GOODPUT_MIN_RPS]
+        if worth:
+            loss, d = min(worth, key=lambda x: (x[0], x[1].limits.priority, x[1].name))
+            return {d.name: _give(d, h, "RebalanceForGoodput",
+                                  f"one instance buys {h.name} {gain:.0f} req/s within its target and costs "
+                                  f"{d.name} {loss:.0f} (predicted, at {_demand(h):.0f} and {_demand(d):.0f} req/s)")}
     return {}
 
 

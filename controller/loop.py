@@ -389,7 +389,8 @@ class Controller:
                                       min_instances=mm.limits.min_instances, max_instances=mm.limits.max_instances,
                                       device_util=policy.device_utilisation(obs), exec_rps=obs.exec_rps,
                                       avg_batch=obs.avg_batch_size, now=now)
-            mm.predicted, mm.predicted_t = {"capacity_rps": caps, "mode": decision.mode}, now
+            mm.predicted, mm.predicted_t = {"capacity_rps": caps, "mode": decision.mode,
+                                            "instances": mm.current.instance_count}, now
         elif inputs is not None and mm.predicted is not None:
             mm.predicted["mode"] = decision.mode
         return decision, obs
@@ -431,12 +432,20 @@ class Controller:
             self.metrics.capacity_of(mm.name, mm.capacity)
         self.metrics.pod_capacity_of(capacity_mod.pod_utilization(mm.capacity for mm in self.models.values()))
 
+    @staticmethod
+    def _capacity_now(mm: ManagedModel) -> dict[int, float | None] | None:
+        """The planner's predicted capacities (req/s within target at n-1, n, n+1) if they were computed for the
+        live count (every PREDICTED_EVERY_S; after a change, none until the next computation)."""
+        p = mm.predicted or {}
+        n = mm.current.instance_count if mm.current is not None else None
+        return dict(p["capacity_rps"]) if n is not None and p.get("instances") == n and p.get("capacity_rps") else None
+
     def _arbitrate(self, decided: dict[str, tuple[Decision, Observation]]) -> dict[str, tuple[Decision, Observation]]:
         """Let a model held by the shared memory budget take an instance from an idle or lower-priority one."""
         if len(decided) < 2:
             return decided
         views = [ModelView(name, self.models[name].current, d, o, self.models[name].limits,
-                           self.models[name].state.instance_memory_bytes)
+                           self.models[name].state.instance_memory_bytes, self._capacity_now(self.models[name]))
                  for name, (d, o) in decided.items() if self.models[name].current is not None]
         for name, override in arbitrate(views).items():
             decided[name] = (override, decided[name][1])

@@ -147,3 +147,49 @@ def test_with_the_planner_the_donor_is_whoever_its_model_says_can_spare_one():
     assert moves["b"].reason == "RebalanceToHotModel" and moves["b"].target == S(1) and moves["b"].mode == "arbiter"
     # and one whose planner says it needs all it has is not a donor, however idle it looks
     assert arbitrate([planned("a", 1, HOT, 0, "HoldPredictedNoneMeets"), planned("b", 2, IDLE, 0)]) == {}
+
+
+# ---- goodput: where an instance buys the most -----------------------------------------------------------
+
+def gview(name, n, o, caps, reason="HoldSteady", priority=0, band_hi=None) -> ModelView:
+    v = view(name, n, o, reason, priority)
+    plan = {"band_rps": [0.0, 0.0, band_hi], "spare": 0} if band_hi is not None else None
+    d = Decision(v.decision.target, v.decision.reason, held_by=v.decision.held_by, mode="model" if plan else "",
+                 plan=plan)
+    return ModelView(name, v.current, d, o, v.limits, v.instance_memory_bytes, caps)
+
+
+def test_a_busy_donor_gives_where_an_instance_buys_clearly_more_goodput_docstring_example():
+    a = gview("a", 2, HOT, {1: 150.0, 2: 300.0, 3: 390.0}, "HoldMemoryCap", band_hi=400.0)
+    b = gview("b", 3, BUSY, {2: 140.0, 3: 170.0, 4: 190.0}, band_hi=150.0)
+    out = arbitrate([a, b])
+    assert out["b"].reason == "RebalanceForGoodput" and out["b"].target == S(2)
+    assert "buys a 90 req/s" in out["b"].detail and "costs b 10" in out["b"].detail
+
+
+@pytest.mark.parametrize("b_caps,b_demand,moves", [
+    pytest.param({2: 100.0, 3: 200.0}, 250.0, False, id="donor-loses-100-more-than-the-hot-gains-90"),
+    pytest.param({2: 93.0, 3: 200.0}, 150.0, False, id="loss-57-gain-90-just-under-1.5x57+5"),
+    pytest.param({2: 94.0, 3: 200.0}, 150.0, True, id="loss-56-gain-90-just-over-1.5x56+5"),
+    pytest.param({2: 60.0, 3: 200.0}, 150.0, False, id="loss-90-equal-to-gain-no-move"),
+    pytest.param({2: 130.0, 3: 200.0}, 150.0, True, id="loss-20-gain-90-moves"),
+    pytest.param(None, 150.0, False, id="donor-capacities-unknown-no-move"),
+])
+def test_goodput_move_needs_a_clear_gain_over_the_loss(b_caps, b_demand, moves):
+    a = gview("a", 2, HOT, {2: 300.0, 3: 390.0}, "HoldMemoryCap", band_hi=400.0)   # gain 90
+    b = gview("b", 3, BUSY, b_caps, band_hi=b_demand)
+    out = arbitrate([a, b])
+    assert ("b" in out) is moves, out
+    # the reverse is never also worth it: after the move b is the hot one, and a's loss is its old gain
+    if moves:
+        a2 = gview("a", 3, HOT, {2: 300.0, 3: 390.0}, band_hi=400.0)
+        b2 = gview("b", 2, BUSY, b_caps, "HoldMemoryCap", band_hi=b_demand)
+        assert arbitrate([a2, b2]) == {}
+
+
+def test_two_hot_models_the_one_an_instance_buys_more_for_takes_the_idle_donor():
+    a = gview("a", 2, HOT, {2: 300.0, 3: 320.0}, "HoldMemoryCap", band_hi=400.0)   # gain 20
+    b = gview("b", 2, HOT, {2: 200.0, 3: 300.0}, "HoldMemoryCap", band_hi=400.0)   # gain 100
+    c = view("c", 3, IDLE)
+    out = arbitrate([a, b, c])
+    assert out["c"].reason == "RebalanceToHotModel" and "for b" in out["c"].detail
