@@ -193,3 +193,15 @@ def test_two_hot_models_the_one_an_instance_buys_more_for_takes_the_idle_donor()
     c = view("c", 3, IDLE)
     out = arbitrate([a, b, c])
     assert out["c"].reason == "RebalanceToHotModel" and "for b" in out["c"].detail
+
+
+def test_the_loop_hands_the_arbiter_capacities_only_for_the_live_count():
+    from types import SimpleNamespace
+
+    from controller.loop import Controller
+    caps = {1: 150.0, 2: 300.0, 3: 390.0}
+    mm = SimpleNamespace(current=S(2), predicted={"capacity_rps": caps, "mode": "model", "instances": 2})
+    assert Controller._capacity_now(mm) == caps
+    mm.current = S(3)                      # changed since they were computed (for 2): none until recomputed
+    assert Controller._capacity_now(mm) is None
+    assert Controller._capacity_now(SimpleNamespace(current=S(2), predicted=None)) is None
