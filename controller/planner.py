@@ -567,14 +567,16 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             cache[s] = predict(s, hi, model, mb, own, limit, device)
         return cache[s]
 
-    def fewest(under_ms: float) -> Candidate | None:
-        """The fewest instances, then the shortest delay, predicted under `under_ms`."""
+    def fewest(under_ms: float, longest_us: int | None = None) -> Candidate | None:
+        """The fewest instances, then the shortest delay (up to `longest_us`), predicted under `under_ms`."""
         for n in range(min_instances, max(ceiling, min_instances) + 1):
             shortest = at_hi(Settings(n, delays[0]))
             # why: at a stable shortest delay far over the limit no delay rescues this count (a delay moves
             # p99 by the batching it adds, a fraction of it); skipping those saves most of the simulations
             hopeless = shortest is not None and math.isfinite(shortest.p99_ms) and shortest.p99_ms > 2 * under_ms
             for d in delays[:1] if hopeless else delays:
+                if longest_us is not None and d > longest_us:
+                    break
                 c = at_hi(Settings(n, d))
                 if c is None or c.p99_ms > under_ms:
                     continue
@@ -605,14 +607,20 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         # consolidation: the fewest predicted under the stricter margin (not the fewest under 0.9x: that one
         # may sit just above 0.8x while a count between it and the live one fits well), or fewer still where
         # the instances dropped buy nothing
-        strict = fewest(CONSOLIDATE_MARGIN * target_ms)
+        # why: a scale-down never raises the delay. Trading an instance for a longer delay swaps a measured
+        # configuration for the least certain part of the prediction (what a delay costs): in the shift bench
+        # the planner consolidated 2x0us into 1x8000us at 215 req/s, where the sweep measured a delay making one
+        # instance slower (1x2000us 45 ms vs 1x0us 35 ms at 220 req/s). A delay is raised by the scale-up path
+        # (the ceiling reached, the device the limit), where the alternative is missing the target.
+        strict = fewest(CONSOLIDATE_MARGIN * target_ms, longest_us=live.max_queue_delay_us)
         free = buys_nothing(live_c)
-        chosen = min((c for c in (strict, free) if c is not None), default=chosen,
-                     key=lambda c: (c.settings.instance_count, c.settings.max_queue_delay_us))
-        smaller = chosen is not None and (chosen.settings.instance_count < live.instance_count or (
+        options = [c for c in (strict, free) if c is not None]
+        if options:
+            chosen = min(options, key=lambda c: (c.settings.instance_count, c.settings.max_queue_delay_us))
+        smaller = bool(options) and (chosen.settings.instance_count < live.instance_count or (
             chosen.settings.instance_count == live.instance_count
             and chosen.settings.max_queue_delay_us < live.max_queue_delay_us))
-        if not smaller or (chosen is not free and chosen.p99_ms > CONSOLIDATE_MARGIN * target_ms):
+        if not smaller:
             return Plan(None, "HoldPredictedOk", where, usable=True, chosen=chosen, state=keep, **common)
         spare = max(0, live.instance_count - max(chosen.settings.instance_count, min_instances))
         why = "buys nothing" if chosen is free else f"under {CONSOLIDATE_MARGIN:g}x the target"

@@ -418,3 +418,26 @@ def test_an_instance_that_buys_latency_is_not_spare():
     one = planner.predict(S(1), p.band[2], planner.ServiceModel.build(inputs(1, 2).fits, None), 32, 1.0, 27.0)
     assert 0.8 * 30.0 < one.p99_ms <= 0.9 * 30.0 and one.p99_ms > planner.NO_GAIN * p.live.p99_ms
     assert p.reason == "HoldPredictedOk" and p.spare == 0 and p.target is None
+
+
+@pytest.mark.parametrize("one_at_0us,expected", [
+    pytest.param(34.0, None, id="1x0us-over-0.8x-and-1x8000us-under-it:-no-scale-down-into-a-delay"),
+    pytest.param(30.0, S(1, 0), id="1x0us-under-0.8x:-scale-down-at-the-same-delay"),
+])
+def test_a_scale_down_never_raises_the_delay(monkeypatch, one_at_0us, expected):
+    # predicted p99 (ms) at the upper band, target 40: 2x0us live at 20; one instance only with a long delay
+    # is under 0.8 x 40 = 32 -- the trade the shift bench made (2x0us -> 1x8000us), which the sweep refuted
+    table = {S(2, 0): 20.0, S(1, 0): one_at_0us, S(1, 8000): 25.0}
+
+    def fake(settings, rate, model, mb, correction, limit, device=None):
+        p99 = table.get(settings, 39.0)
+        return planner.Candidate(settings, rate, p99, p99, 1.0, None, p99 <= limit)
+    monkeypatch.setattr(planner, "predict", fake)
+    state = PlannerState()
+    for k in range(CONSOLIDATE_TICKS):
+        p = run(S(2), 200.0, inputs(1, 2), state, max_delay=8000, now=100.0 + k)
+        state = p.state
+    if expected is None:
+        assert p.reason == "HoldPredictedOk" and p.target is None and p.spare == 0, p
+    else:
+        assert p.reason == "ScaleDownConsolidated" and p.target == expected, p
