@@ -338,7 +338,10 @@ def test_open_loop_records_overload_and_timeouts(server):
     assert len(records) == 200 and len(timed_out) >= 100
     assert all(r.done_s is None for r in timed_out)
     assert any(r.sent_s is not None for r in timed_out)          # some were cut off while in flight
-    assert all(r.latency_s <= 0.05 for r in records if r.ok)
+    # an answer counts as ok only if it came within the deadline; its done time is read when its task
+    # resumes, which a loop busy with 200 tasks can delay on a loaded machine (CI once saw > 50 ms): a bound
+    # of twice the deadline still catches a deadline that is not applied (the default is 10 s)
+    assert all(r.latency_s <= 2 * 0.05 for r in records if r.ok)
 
 
 def test_open_loop_unknown_model_fails_with_server_error(server):

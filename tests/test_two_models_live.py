@@ -109,6 +109,8 @@ def test_instances_move_to_the_busy_model_within_the_budget(two_model_server, tm
     assert all((a + b) * 64 <= BUDGET_MB for _, a, b, _ in seen), story    # never over the budget, as served
     over = [(a, b, used / MiB) for _, a, b, used in seen if used > BUDGET_MB * MiB]
     assert not over, (over[:5], story)                                    # ... and as the device reported it
-    moves = [r for r in records if r["action"] == "applied" and r["reason"] == "RebalanceToHotModel"]
+    # the quiet model gives its instance: as idle (its planner says it spares one), or because the planner's
+    # capacities say it buys sim_b clearly more goodput than it costs sim_a (whichever the arbiter reaches first)
+    moves = [r for r in records if r["action"] == "applied" and r["reason"] in ("RebalanceToHotModel", "RebalanceForGoodput")]
     assert moves and all(r["model"] == "sim_a" for r in moves), story
-    assert "for sim_b" in moves[0]["detail"]
+    assert "for sim_b" in moves[0]["detail"] or "buys sim_b" in moves[0]["detail"], moves[0]["detail"]
