@@ -136,7 +136,10 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
     for rate, wall0, results in phases:
         assert results and all(r.ok for r in results)
         done = np.array([r.done_s for r in results])
-        lat = np.array([1000 * r.latency_s for r in results])
+        # from the moment each request left the client: the time a busy load generator spends before sending
+        # (its own lateness, counted in its scheduled-time latency) is invisible to the server, and on a loaded
+        # CI machine it alone moved the clients' p99 at 40 req/s 40-50% above the server's reading
+        lat = np.array([1000 * (r.done_s - r.sent_s) for r in results])
         # readings whose whole span lies after the first 6 s of this load level (a few ticks: one alone could
         # straddle the edges when a tick runs late on the shared cores)
         inside = [r for r in records if wall0 + 6 + r["obs"]["span_s"] <= r["time"] <= wall0 + LEVEL_S]
