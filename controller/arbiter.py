@@ -55,7 +55,7 @@ GOODPUT_MIN_RPS = 5.0    # ... plus this many req/s
 
 
 def _demand(v: ModelView) -> float:
-    band = (v.decision.plan or {}).get("band_rps") if v.decision.plan else None
+    band = (v.decision.plan or {}).get("band_rps")
     return float(band[2]) if band else v.obs.arrival_rps
 
 

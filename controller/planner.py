@@ -586,12 +586,12 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
                     return c
         return None
 
-    def buys_nothing(live_c: Candidate) -> Candidate | None:
-        """The fewest instances (the live delay) predicted, with the live correction, within NO_GAIN of the
-        live p99 and under the margin: the instances above it buy nothing at this load."""
+    def buys_nothing(live_c: Candidate, below: int) -> Candidate | None:
+        """The fewest instances under `below` (the live delay) predicted, with the live correction, within
+        NO_GAIN of the live p99 and under the margin: the instances above it buy nothing at this load."""
         if not math.isfinite(live_c.p99_ms):
             return None
-        for n in range(min_instances, live.instance_count):
+        for n in range(min_instances, below):
             c = predict(Settings(n, live.max_queue_delay_us), hi, model, mb, factor, limit, device)
             if c is not None and c.meets and c.p99_ms <= NO_GAIN * live_c.p99_ms:
                 return c
@@ -613,7 +613,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         # instance slower (1x2000us 45 ms vs 1x0us 35 ms at 220 req/s). A delay is raised by the scale-up path
         # (the ceiling reached, the device the limit), where the alternative is missing the target.
         strict = fewest(CONSOLIDATE_MARGIN * target_ms, longest_us=live.max_queue_delay_us)
-        free = buys_nothing(live_c)
+        # (only fewer instances than `strict` could win the choice below, so only those are simulated)
+        free = buys_nothing(live_c, live.instance_count if strict is None else strict.settings.instance_count)
         options = [c for c in (strict, free) if c is not None]
         if options:
             chosen = min(options, key=lambda c: (c.settings.instance_count, c.settings.max_queue_delay_us))

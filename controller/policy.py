@@ -212,9 +212,9 @@ def learn_instance_memory(state: PolicyState, used_now: int | None) -> PolicySta
 
 
 def memory_room(limits: ModelLimits, state: PolicyState, obs: Observation) -> dict[str, int] | None:
-    """Per GPU this model is on: how many more of its instances fit there (negative: over the budget there).
-    None where `gpu_memory` is None or nothing bounds it (no budget known, or the cost per instance unknown:
-    then `memory_cap` allows one step to learn it, on any GPU that is under its budget: 1 there, 0 elsewhere).
+    """Per GPU this model is on: how many more of its instances fit there (negative: over the budget there);
+    with the cost per instance still unknown, 1 on a GPU under its budget and 0 on one at it. None where
+    `gpu_memory` is None or a GPU has no budget (neither configured nor its total known).
 
     The budget holds per GPU, because a GPU fills on its own: on a 2-GPU server with the model's 2 instances
     on gpu0 (7 of 8 GiB used, 1 GiB each) and 1 on gpu1 (3 of 8 GiB), a budget of 7.2 GiB leaves room for
@@ -222,8 +222,11 @@ def memory_room(limits: ModelLimits, state: PolicyState, obs: Observation) -> di
     anywhere, gpu0 included.
     """
     mem = gpu_memory(obs)
-    if mem is None:
-        return None
+    return None if mem is None else _room_on(mem, obs, limits, state)
+
+
+def _room_on(mem: dict[str, tuple[int, int | None]], obs: Observation, limits: ModelLimits,
+             state: PolicyState) -> dict[str, int] | None:
     n_on = dict(obs.placement)
     per = state.instance_memory_bytes
     room: dict[str, int] = {}
@@ -247,14 +250,15 @@ def memory_cap(current: Settings, limits: ModelLimits, state: PolicyState, obs: 
     on each GPU (the loop then adds instances only where there is room: `groups.with_total(room=...)`);
     on gpu0 full and gpu1 with room for 4 above, 3 + 0 + 4 = 7.
     """
-    room = memory_room(limits, state, obs)
-    if room is not None:
+    mem = gpu_memory(obs)
+    if mem is not None:
+        room = _room_on(mem, obs, limits, state)
+        if room is None:
+            return None
         if state.instance_memory_bytes is None:
             # unknown cost per instance: one step to learn it, where a GPU has room
             return current.instance_count + (1 if any(r > 0 for r in room.values()) else 0)
         return max(0, current.instance_count + sum(room.values()))
-    if gpu_memory(obs) is not None:
-        return None
     used, total = device_memory(obs)
     budget = memory_budget_bytes(limits, total)
     per = state.instance_memory_bytes
@@ -271,19 +275,16 @@ def full_reload_fits(current: Settings, limits: ModelLimits, state: PolicyState,
     """A full reload loads a second copy with all instances before the old one goes: used + n x per,
     on each GPU the model is on where it is on several (`gpu_memory`), else over the devices observed."""
     per = state.instance_memory_bytes
+    if per is None:
+        return True
     mem = gpu_memory(obs)
     if mem is not None:
         n_on = dict(obs.placement)
-        for key, (used, total) in mem.items():
-            budget = memory_budget_bytes(limits, total)
-            if budget is not None and per is not None and used + n_on[key] * per > budget:
-                return False
-        return True
+        return all(budget is None or used + n_on[key] * per <= budget
+                   for key, (used, total) in mem.items() for budget in [memory_budget_bytes(limits, total)])
     used, total = device_memory(obs)
     budget = memory_budget_bytes(limits, total)
-    if budget is None or used is None or per is None:
-        return True
-    return used + current.instance_count * per <= budget
+    return budget is None or used is None or used + current.instance_count * per <= budget
 
 
 # ---- stage 3: review the last instance step -------------------------------------------------------

@@ -52,7 +52,7 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 def _config(arm: str, a: dict, doc: dict) -> str:
-    """What the arm ran: a fixed config, or how many changes it made."""
+    """What the arm ran: a fixed config, or the range of instance counts and the delays it went through."""
     if arm == "best_static" and doc.get("best_static"):
         b = doc["best_static"]
         return f"{b['instances']} inst, {b['delay_us']} us"
