@@ -23,7 +23,9 @@ from controller import groups
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.gpu import SIM_GPU_MEMORY
 from controller.loop import Controller
+from controller.signals import Scraper
 
 SIM = ROOT / "model_repository" / "sim_accel"
 
@@ -237,15 +239,17 @@ def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog
           f"{controller.models['sim2'].current.instance_count} instances")
 
 
-def _gpu_memory_mib(metrics_url: str) -> dict[int, float]:
+def _gpu_memory_mib(scraper: Scraper) -> dict[int, float]:
     """Memory in use per simulated GPU, as the instances report it on the server's /metrics."""
-    import re
-    import urllib.request
-    with urllib.request.urlopen(metrics_url, timeout=2.0) as r:
-        text = r.read().decode()
+    metrics = scraper.metrics()
+    if metrics is None:
+        raise RuntimeError("the server's /metrics could not be read")
     out: dict[int, float] = {}
-    for m in re.finditer(r"^sim_gpu(\d+)_memory_bytes\{[^}]*\} (\S+)$", text, re.M):
-        out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + float(m.group(2)) / 2**20
+    for c in metrics.values():
+        for key, value in c.custom.items():
+            m = SIM_GPU_MEMORY.fullmatch(key)
+            if m:
+                out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + value / 2**20
     return out
 
 
@@ -265,9 +269,10 @@ def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_roo
 
     def watch():
         watcher = TritonControl(repo_server.grpc_url, repo_server.http_url)
+        scraper = Scraper(repo_server.metrics_url, repo_server.http_url)
         while not stop.wait(0.25):
             try:
-                samples.append((groups.instances_per_device(watcher.config("sim2")), _gpu_memory_mib(repo_server.metrics_url)))
+                samples.append((groups.instances_per_device(watcher.config("sim2")), _gpu_memory_mib(scraper)))
             except Exception as e:  # noqa: BLE001 - a missed sample is counted, not fatal
                 errors.append(repr(e))
         watcher.close()

@@ -3,11 +3,9 @@ instances move from the model whose traffic stopped to the one whose traffic ros
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import threading
 import time
-import urllib.request
 
 import pytest
 
@@ -15,7 +13,9 @@ from conftest import ROOT, start_server
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.gpu import SIM_MEMORY_METRIC
 from controller.loop import Controller
+from controller.signals import Scraper
 
 MiB = 2**20
 BUDGET_MB = 200          # 64 MiB per instance: 3 instances fit in all, 4 do not
@@ -45,11 +45,12 @@ def _load(server, model, rate_rps, seconds, out, until=None):
         left -= piece
 
 
-def _device_bytes(metrics_url: str) -> float:
+def _device_bytes(scraper: Scraper) -> float:
     """The simulated device's memory in use, as the models' instances report it on the server's /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=2.0) as r:
-        text = r.read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(r"^sim_device_memory_bytes\{[^}]*\} (\S+)$", text, re.M))
+    metrics = scraper.metrics()
+    if metrics is None:
+        raise RuntimeError("the server's /metrics could not be read")
+    return sum(c.custom.get(SIM_MEMORY_METRIC, 0.0) for c in metrics.values())
 
 
 def _server_count(control: TritonControl, model: str) -> int:
@@ -74,11 +75,11 @@ def test_instances_move_to_the_busy_model_within_the_budget(two_model_server, tm
     watch_errors: list[str] = []
 
     def watch():
-        control = TritonControl(s.grpc_url, s.http_url)
+        control, scraper = TritonControl(s.grpc_url, s.http_url), Scraper(s.metrics_url, s.http_url)
         while not stop.wait(0.25):
             try:
                 seen.append((time.monotonic(), _server_count(control, "sim_a"), _server_count(control, "sim_b"),
-                             _device_bytes(s.metrics_url)))
+                             _device_bytes(scraper)))
             except Exception as e:  # noqa: BLE001 - a sample missed during a reload is reported, not fatal
                 watch_errors.append(repr(e))
         control.close()
