@@ -30,6 +30,8 @@ from .types import Settings
 
 log = logging.getLogger("controller.actuation")
 
+REPAIR_KEY = "triton_autotune_repair"   # a config parameter whose new value forces a full reload (Actuator.repair)
+
 
 class ActuationError(RuntimeError):
     pass
@@ -192,6 +194,29 @@ class Actuator:
             return ApplyResult(False, "full_reload", self._read_quietly(model), time.monotonic() - t0, _msg(e))
         if mark_of(after_cfg) != self.mark:
             return ApplyResult(False, "full_reload", after, time.monotonic() - t0, "the owner mark did not stick")
+        return ApplyResult(True, "full_reload", after, time.monotonic() - t0)
+
+    def repair(self, model: str) -> ApplyResult:
+        """Reload the live config in full, settings unchanged: every instance (a dead stub among them) is created
+        anew while the old copy serves. Loading an identical config changes nothing on 2.51, so the config
+        carries a fresh `REPAIR_KEY` parameter (a parameter change is a full reload, as the owner mark's is);
+        it stays in the live config, and the next repair replaces it."""
+        t0 = time.monotonic()
+        try:
+            live_cfg, live = self.read(model)
+        except Exception as e:  # noqa: BLE001
+            return ApplyResult(False, "none", None, time.monotonic() - t0, f"cannot read live config: {_msg(e)}")
+        cfg = copy.deepcopy(live_cfg)
+        cfg.setdefault("parameters", {})[REPAIR_KEY] = {"string_value": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                                                        + f".{time.time_ns() % 1_000_000_000:09d}"}
+        try:
+            self.control.load(model, cfg)
+            self._wait_ready(model)
+            _, after = self.read(model)
+        except Exception as e:  # noqa: BLE001
+            return ApplyResult(False, "full_reload", self._read_quietly(model), time.monotonic() - t0, _msg(e))
+        if after != live:
+            return ApplyResult(False, "full_reload", after, time.monotonic() - t0, f"server reports {after} after repairing {live}")
         return ApplyResult(True, "full_reload", after, time.monotonic() - t0)
 
     def _wait_ready(self, model: str) -> None:

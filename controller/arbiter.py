@@ -100,7 +100,10 @@ def _idle_enough(v: ModelView) -> bool:
 
 
 def _can_give(v: ModelView) -> bool:
-    return v.current.instance_count > v.limits.min_instances and v.decision.target == v.current
+    # why: a model failing requests (a crashed instance: policy.repair) looks idle (its dead instance is never
+    # busy), but its readings describe the fault, and a scale-down would cancel the repair it waits for
+    return v.current.instance_count > v.limits.min_instances and v.decision.target == v.current \
+        and not (v.obs.valid and v.obs.fault_rps > 0)
 
 
 def arbitrate(views: list[ModelView]) -> dict[str, Decision]:

@@ -84,6 +84,9 @@ class LoopConfig:
     owner_mark: bool = True             # mark the configs it applies; refuse models another live controller marked
     owner_stale_after_s: float = 60.0   # another owner's /status silent this long: its mark is stale, take over
     planner: bool = True                # instances and delay from the planner's model (reactive rules as fallback)
+    repair: bool = True                 # a full reload of a model whose requests keep failing (a crashed instance)
+    repair_after_s: float = 10.0        # ... once failures have been seen this long, at least REPAIR_MIN_FAILURES
+    repair_backoff_s: float = 300.0     # ... and again, if they persist, after this long (doubling, at most 1 h)
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ _FLOAT_RANGES = {
     "memory_budget_mb": (1.0, 10_000_000.0), "memory_headroom_pct": (0.0, 90.0), "min_gain_pct": (0.0, 100.0),
     "interval_s": (0.1, 600.0), "window_s": (1.0, 3600.0), "settle_s": (0.0, 600.0), "min_span_s": (0.5, 600.0),
     "simulated_device_memory_mb": (1.0, 10_000_000.0), "reload_timeout_s": (1.0, 3600.0),
-    "failure_backoff_s": (0.0, 3600.0), "owner_stale_after_s": (0.0, 86_400.0), "decision_log_max_mb": (0.0, 1_000_000.0), "timeout_s": (0.1, 600.0), "trace_samples_per_s": (0.1, 100_000.0),
+    "failure_backoff_s": (0.0, 3600.0), "repair_after_s": (0.0, 3600.0), "repair_backoff_s": (1.0, 86_400.0), "owner_stale_after_s": (0.0, 86_400.0), "decision_log_max_mb": (0.0, 1_000_000.0), "timeout_s": (0.1, 600.0), "trace_samples_per_s": (0.1, 100_000.0),
 }
 _CHOICES = {"gpu": ("auto", "nvml", "simulated", "none"), "control_protocol": ("grpc", "http")}
 

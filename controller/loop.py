@@ -121,7 +121,7 @@ def summarize_obs(obs: Observation) -> dict:
         return {"valid": False, "why": obs.invalid_reason}
     r = lambda x, n=2: None if x is None else round(x, n)  # noqa: E731
     out = {"span_s": r(obs.span_s, 1), "arrival_rps": r(obs.arrival_rps, 1), "completion_rps": r(obs.completion_rps, 1),
-           "failure_rps": r(obs.failure_rps), "pending_mean": r(obs.pending_mean), "queue_ms": r(obs.queue_ms_per_request),
+           "failure_rps": r(obs.failure_rps), "shed_rps": r(obs.shed_rps), "pending_mean": r(obs.pending_mean), "queue_ms": r(obs.queue_ms_per_request),
            "compute_ms": r(obs.compute_ms_per_request), "p99_ms": r(obs.p99_ms), "p99_source": obs.p99_source,
            "busy": r(obs.busy_fraction, 3), "avg_batch": r(obs.avg_batch_size), "batches_per_s": r(obs.exec_rps, 1),
            "mean_ms": r(obs.request_ms_mean)}
@@ -492,6 +492,9 @@ class Controller:
         if mm.pending is not None:
             self._record(mm, decision, obs, now, "hold")
             return
+        if decision.reason == policy.REPAIR:
+            self._repair(mm, decision, obs, now)
+            return
         if not decision.valid or decision.target == mm.current:
             if not self._claim_now(mm, decision, obs, now):
                 self._record(mm, decision, obs, now, "hold")
@@ -508,8 +511,19 @@ class Controller:
             return
         self._submit(mm, decision, obs, now, full)
 
+    def _repair(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> None:
+        """A full reload of the live settings (policy.repair), one full reload on the device at a time."""
+        if self.config.loop.dry_run:
+            self._record(mm, decision, obs, now, "dry_run")
+            return
+        if any(o.pending is not None and o.pending.full_reload for o in self.models.values()):
+            self._record(mm, Decision(mm.current, "HoldOtherFullReload", detail="wanted a repair"), obs, now, "hold")
+            return
+        log.warning("%s: requests keep failing (%s); repairing: a full reload of the same settings", mm.name, decision.detail)
+        self._submit(mm, decision, obs, now, full=True, repair=True)
+
     def _submit(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float, full: bool,
-                claim: bool = False) -> None:
+                claim: bool = False, repair: bool = False) -> None:
         actuator = self._actuators.get(mm.name)
         if actuator is None:
             actuator = self._actuators[mm.name] = Actuator(self._new_control(), ready_timeout_s=self.config.loop.reload_timeout_s,
@@ -521,7 +535,10 @@ class Controller:
         target, prefer = decision.target, self._prefer(mm, room)
 
         def work():
-            result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target, prefer, room)
+            if repair:
+                result = actuator.repair(mm.name)
+            else:
+                result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target, prefer, room)
             return result, self.clock()
 
         mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full, now)
@@ -573,6 +590,24 @@ class Controller:
                 mm.state = policy.record_failed(mm.state, decision, before, now, self.config.loop.failure_backoff_s)
                 log.warning("%s: could not mark the model as ours (%s); acting anyway, retrying later", mm.name, result.error)
             self._record(mm, decision, obs, now, "claimed" if result.ok else "claim_failed", result)
+            return
+        if decision.reason == policy.REPAIR:
+            self._mark_change(mm, now)
+            if result.live is not None:
+                mm.current = result.live
+            if result.ok:
+                mm.state = policy.record_repaired(mm.state, now, self.config.loop)
+                self.metrics.reload(mm.name, result.kind)
+                log.warning("%s: repaired (full reload of %s in %.1f s); next repair of a lasting fault not before %.0f s",
+                            mm.name, _fmt(mm.current), result.seconds, mm.state.repair_not_before - now)
+            else:
+                mm.state = policy.record_failed(mm.state, decision, before, now, self.config.loop.failure_backoff_s)
+                self.metrics.failure(mm.name)
+                log.warning("%s: repair failed after %.1f s: %s", mm.name, result.seconds, result.error)
+            mm.last_change = {"time": time.time(), "t": now, "ok": result.ok, "from": _asdict(before),
+                              "to": _asdict(mm.current), "reason": decision.reason, "detail": decision.detail,
+                              "kind": result.kind, "apply_s": round(result.seconds, 2), "error": result.error or None}
+            self._record(mm, decision, obs, now, "repaired" if result.ok else "repair_failed", result)
             return
         mm.last_change = {"time": time.time(), "t": now, "ok": result.ok, "from": _asdict(before),
                           "to": _asdict(result.live if result.ok else decision.target), "reason": decision.reason,

@@ -6,8 +6,10 @@ that history only holds changes that really happened.
 
 Stages, in order (each a small function below, testable alone):
 
-1. gates       -- backoff after a failed reload, no data, warm-up after a (re)start, settling
-                  after a change: hold, and say which.
+0. repair      -- requests failing for `repair_after_s` (a fault, not load shed): a full reload of
+                  the same settings, which brings a crashed instance back (see `repair`).
+1. gates       -- backoff after a failed reload, no data, failures, warm-up after a (re)start,
+                  settling after a change: hold, and say which.
 2. memory      -- learn bytes per instance from the memory change a step caused.
 3. step review -- an instance just added that brought no throughput and no relief marks the
                   model saturated at the smaller count and steps back (capacity on one device
@@ -44,6 +46,9 @@ LIGHT_BUSY = 0.3                 # light load: instances busy < 30% and no queue
 PERF_MEMORY = 200                # perf points kept
 SATURATION_MEMORY_S = 300.0      # a saturation mark (and a delay found too long) is trusted this long
 LEARNED_MAX_MEMORY_S = 600.0     # a count that failed to load is not retried for this long
+REPAIR_MIN_FAILURES = 3          # a repair needs at least this many failed requests in the window (one is noise)
+REPAIR_MAX_WAIT_S = 3600.0       # the wait between repairs of a fault that persists doubles up to this
+REPAIR = "RepairFullReload"
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,10 @@ class PolicyState:
     instance_memory_bytes: float | None = None
     perf: tuple[PerfPoint, ...] = ()
     plan: PlannerState = PlannerState()
+    fault_since: float | None = None          # failed requests (a fault) in every window since then
+    last_fault_at: float = -math.inf
+    repairs: int = 0                          # repairs since the last long stretch without faults ...
+    repair_not_before: float = -math.inf      # ... and the next one not before this
 
 
 def initial_state(now: float) -> PolicyState:
@@ -127,6 +136,61 @@ def _hold(current: Settings, reason: str, detail: str = "", valid: bool = True) 
     return Decision(target=current, reason=reason, valid=valid, detail=detail)
 
 
+# ---- stage 0: repair -----------------------------------------------------------------------------
+
+def track_faults(obs: Observation, state: PolicyState, loop: LoopConfig, now: float) -> PolicyState:
+    """Remember since when every window held failed requests (a fault streak; a clean window ends it), and
+    forget past repairs after `repair_backoff_s` without any fault."""
+    if not obs.valid:
+        return state
+    if obs.fault_rps <= 0:
+        return state if state.fault_since is None else dataclasses.replace(state, fault_since=None)
+    repairs = state.repairs if now - state.last_fault_at <= loop.repair_backoff_s else 0
+    return dataclasses.replace(state, fault_since=now if state.fault_since is None else state.fault_since,
+                               last_fault_at=now, repairs=repairs)
+
+
+def repair(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, loop: LoopConfig,
+           now: float) -> Decision | None:
+    """A full reload of the live settings when requests keep failing: `RepairFullReload`, else None.
+
+    Why: Triton 2.51 keeps a model READY after one instance's stub process dies (the OOM killer, a segfault
+    in user code) and never restarts it; every request the scheduler hands to that instance fails after
+    about 1 s (`Stub process '<m>_0_1' is not healthy.`, reason BACKEND) until the model is fully reloaded
+    (measured: tests/test_crashed_instance.py). So: once failures (a fault, not load shed: `obs.fault_rps`)
+    have filled every window for `repair_after_s` and number at least REPAIR_MIN_FAILURES in the last one,
+    reload the same settings in full (old instances keep serving until the new copy is READY; nothing lost).
+    If they persist after it, the fault is not a dead instance (the model's code on some inputs, a step
+    or callee of this model): the next repair waits `repair_backoff_s`, then twice that, up to an hour.
+
+    Example (defaults, 2-s ticks, 20-s window): a stub killed at t=100 under 100 req/s; from t=102 each
+    window holds ~1 failed req/s; at t=112 (10 s of faults, ~10 in the window) this returns a repair. One
+    failed request alone never does (1 < 3), whatever its window's length."""
+    if not loop.repair or not obs.valid or obs.fault_rps <= 0 or state.fault_since is None:
+        return None
+    failed = obs.fault_rps * obs.span_s
+    if now - state.fault_since < loop.repair_after_s or failed < REPAIR_MIN_FAILURES - 1e-9:
+        return None
+    if now < state.repair_not_before or now < state.backoff_until:
+        return None
+    detail = (f"{obs.fault_rps:.2f} failed req/s of {obs.arrival_rps:.1f} for {now - state.fault_since:.0f} s "
+              f"({failed:.0f} in the window): a full reload brings a crashed instance back")
+    if state.repairs:
+        detail += f"; they persisted after {state.repairs} repair(s)"
+    if not full_reload_fits(current, limits, state, obs):
+        return _hold(current, "HoldFailures", detail.replace("a full reload brings", "a full reload would bring")
+                     + ", but a second copy does not fit the memory budget")
+    return _hold(current, REPAIR, detail)
+
+
+def record_repaired(state: PolicyState, now: float, loop: LoopConfig) -> PolicyState:
+    """A repair's full reload finished: the window restarts, a new streak must build up, and the next repair
+    of a fault that persists waits repair_backoff_s x 2^(repairs before), at most REPAIR_MAX_WAIT_S."""
+    wait = min(loop.repair_backoff_s * 2 ** min(state.repairs, 16), REPAIR_MAX_WAIT_S)
+    return dataclasses.replace(state, repairs=state.repairs + 1, repair_not_before=now + wait, fault_since=None,
+                               last_fault_at=now, last_change_at=now, failures=0)
+
+
 # ---- stage 1: gates ------------------------------------------------------------------------------
 
 def gate(obs: Observation, current: Settings, state: PolicyState, loop: LoopConfig, now: float) -> Decision | None:
@@ -135,11 +199,12 @@ def gate(obs: Observation, current: Settings, state: PolicyState, loop: LoopConf
         return _hold(current, "HoldBackoff", f"after {state.failures} failed reload(s), until t={state.backoff_until:.1f}")
     if not obs.valid:
         return _hold(current, "HoldNoData", valid=False)
-    if obs.failure_rps > 0:
+    if obs.fault_rps > 0:
         # why: failed requests are a fault (a crashed instance answers each request it gets with an error,
         # slowly), not load: read as load they look like a queue and a p99 over target -> a scale-up storm and
-        # a false saturation mark. Hold until a window without failures. (Clients sending bad requests hold it too.)
-        return _hold(current, "HoldFailures", f"{obs.failure_rps:.2f} failed req/s of {obs.arrival_rps:.1f} arriving "
+        # a false saturation mark. Hold until a window without failures (`repair` acts on a lasting streak).
+        # Requests the scheduler refused or clients cancelled (`shed_rps`) are load, and do not hold.
+        return _hold(current, "HoldFailures", f"{obs.fault_rps:.2f} failed req/s of {obs.arrival_rps:.1f} arriving "
                      "in the window: a fault, not load")
     if now - state.started_at < loop.window_s:
         return _hold(current, "HoldWarmup", f"{now - state.started_at:.1f}/{loop.window_s:g} s of data since start")
@@ -530,6 +595,10 @@ def decide(obs: Observation, current: Settings, state: PolicyState, limits: Mode
 
     With `plan_inputs` (the planner on), instances and delay come from the planner's model
     (`decide_by_model`), and the reactive stages 4-5 only run when it stands aside (mode "fallback")."""
+    state = track_faults(obs, state, loop, now)
+    fix = repair(obs, current, state, limits, loop, now)
+    if fix is not None:
+        return fix, state
     held = gate(obs, current, state, loop, now)
     if held is not None:
         if held.reason == "HoldNoData" and state.low_since is not None:

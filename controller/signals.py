@@ -49,6 +49,11 @@ class ModelCounters:
     request time, present only with `--metrics-config summary_latencies=true` and after a
     first request. Every field is `None` when the server did not publish a finite value.
 
+    `failure_shed` is the part of `failure` whose `reason` label is REJECTED or CANCELED (Triton >= 2.4x
+    labels each failure: REJECTED, CANCELED, BACKEND, OTHER): requests the scheduler refused (a queue policy's
+    `max_queue_size`, a timeout in the queue) or a client gave up on. They are load, not a fault. 0.0 when the
+    server labels no reason (older servers: every failure then counts as a fault).
+
     `custom` holds the model's own metrics (any family not starting with `nv_` that
     carries the label `model=<name>`), keyed by sample name (e.g.
     `model_executions_total`), summed over their other labels (instances). The parser
@@ -58,6 +63,7 @@ class ModelCounters:
 
     success: float | None = None
     failure: float | None = None
+    failure_shed: float | None = None
     inference_count: float | None = None
     exec_count: float | None = None
     queue_us: float | None = None
@@ -83,6 +89,9 @@ _NV_SUMMED_FIELDS: dict[str, str] = {
     "nv_inference_request_duration_us": "request_us",
     "nv_inference_pending_request_count": "pending",
 }
+# `reason` labels of nv_inference_request_failure that mean load shed, not a fault (measured on 2.51: a
+# crashed instance's failures are BACKEND; a malformed request is refused before it is counted at all)
+SHED_REASONS = frozenset({"REJECTED", "CANCELED"})
 _P99_SAMPLE = "nv_inference_request_summary_us"
 _P99_QUANTILE = 0.99
 
@@ -161,6 +170,8 @@ def _route_sample(
     base = name[: -len("_total")] if name.endswith("_total") else name
     if base in _NV_SUMMED_FIELDS:
         nv.add(model, _NV_SUMMED_FIELDS[base], value)
+        if base == "nv_inference_request_failure" and labels.get("reason") in SHED_REASONS:
+            nv.add(model, "failure_shed", value)
     elif _is_p99(name, labels):
         number = _finite(value)
         previous = p99.get(model)
@@ -172,7 +183,8 @@ def _route_sample(
 
 def _build_counters(nv: dict[str, float | None], custom: dict[str, float | None], p99: float | None) -> ModelCounters:
     known_custom = {k: v for k, v in custom.items() if v is not None}
-    return ModelCounters(**{f: nv.get(f) for f in REQUIRED_FIELDS}, p99_us=p99, custom=known_custom)
+    shed = nv.get("failure_shed", 0.0 if nv.get("failure") is not None else None)
+    return ModelCounters(**{f: nv.get(f) for f in REQUIRED_FIELDS}, failure_shed=shed, p99_us=p99, custom=known_custom)
 
 
 # ---------------------------------------------------------------------------------
@@ -488,6 +500,7 @@ def _observation(samples: list[Sample], span_s: float, instance_count: int) -> O
     first, last = samples[0].counters, samples[-1].counters
     successes = _delta(first, last, "success")
     failures = _delta(first, last, "failure")
+    shed = _delta(first, last, "failure_shed") if first.failure_shed is not None and last.failure_shed is not None else 0.0
     requests = successes + failures
     executions = _delta(first, last, "exec_count")
     compute_us = _delta(first, last, "compute_input_us", "compute_infer_us", "compute_output_us")
@@ -502,6 +515,7 @@ def _observation(samples: list[Sample], span_s: float, instance_count: int) -> O
         arrival_rps=arrivals / span_s,
         completion_rps=successes / span_s,
         failure_rps=failures / span_s,
+        shed_rps=min(max(0.0, shed), failures) / span_s,
         exec_rps=executions / span_s,
         avg_batch_size=_delta(first, last, "inference_count") / executions if executions > 0 else 0.0,
         pending_mean=sum(pendings) / len(pendings),

@@ -47,7 +47,8 @@ class Observation:
     since: float = 0.0                    # time of the oldest sample used
     arrival_rps: float = 0.0              # requests that reached the server
     completion_rps: float = 0.0           # successful requests
-    failure_rps: float = 0.0
+    failure_rps: float = 0.0              # failed requests, every reason
+    shed_rps: float = 0.0                 # ... of which refused by the scheduler or cancelled (load, not a fault)
     exec_rps: float = 0.0                 # model executions (batches) per second
     avg_batch_size: float = 0.0           # inferences per execution
     pending_mean: float = 0.0             # nv_inference_pending_request_count, mean over window
@@ -63,6 +64,11 @@ class Observation:
     placement: tuple[tuple[str, int], ...] = ()   # this model's live instances per device (groups.py keys: "gpu1", "cpu")
     service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config
     invalid_reason: str = ""              # when valid=False: "no_samples" | "scrape_failed" | "too_few_samples" | "span_too_short"
+
+    @property
+    def fault_rps(self) -> float:
+        """Failed requests per second that are a fault (the model or an instance failed them), not load shed."""
+        return max(0.0, self.failure_rps - self.shed_rps)
 
 
 class Cap(str, Enum):

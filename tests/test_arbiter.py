@@ -1,6 +1,8 @@
 """Arbitration between models sharing one device and memory budget: table cases and a fake-clock scenario."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from controller import policy
@@ -56,6 +58,11 @@ def view(name, n, o, reason="HoldSteady", priority=0, min_instances=1, target=No
                  {"a": ("RebalanceToHigherPriority", 1)}, id="higher-priority-hot-model-takes-from-lower-hot"),
     pytest.param([view("a", 2, HOT, "HoldMemoryCap"), view("b", 3, Observation(valid=False))],
                  {}, id="donor-without-data-is-not-idle"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap"),
+                  view("b", 3, dataclasses.replace(IDLE, failure_rps=1.0), reason="RepairFullReload")],
+                 {}, id="a-failing-model-is-not-a-donor"),
+    pytest.param([view("a", 2, HOT, "HoldMemoryCap"), view("b", 3, dataclasses.replace(IDLE, failure_rps=1.0, shed_rps=1.0))],
+                 {"b": ("RebalanceToHotModel", 2)}, id="load-shed-is-no-fault"),
 ])
 def test_arbitrate(views, expected):
     got = {name: (d.reason, d.target.instance_count) for name, d in arbitrate(views).items()}

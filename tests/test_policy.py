@@ -1120,3 +1120,90 @@ def test_memory_learned_from_a_step_counts_the_model_gpus_only():
     o = obs(gpus=gpus((5, 8), (3, 8), (1, 8)), placement=(("gpu0", 2), ("gpu1", 1)))
     assert policy.memory_in_use(o) == 8 * GiB_MB * MiB
     assert policy.memory_in_use(dataclasses.replace(o, placement=())) == 9 * GiB_MB * MiB
+
+
+# =====================================================================================
+# repair: failures that last are a crashed instance until a full reload says otherwise
+# =====================================================================================
+
+FAULTY = dict(failure_rps=1.0, arrival_rps=100.0, completion_rps=99.0)   # ~1 failed req/s: one dead instance of 2
+
+
+def _run_faults(st: PolicyState, t0: float, t1: float, loop: LoopConfig = LOOP, o: Observation | None = None,
+                current: Settings = S(2)) -> tuple[list[tuple[float, str]], PolicyState]:
+    """Decide every 2 s from t0 to t1 on a faulty window; (time, reason) of each decision."""
+    out = []
+    t = t0
+    while t <= t1 + 1e-9:
+        d, st = decide(o or obs(**FAULTY), current, st, LIMITS, loop, t)
+        assert d.target == current           # never a change of settings from failures
+        out.append((t, d.reason))
+        t += 2.0
+    return out, st
+
+
+def test_a_lasting_fault_is_repaired_after_repair_after_s_and_not_before():
+    seen, st = _run_faults(state(), NOW, NOW + 12.0)
+    reasons = dict(seen)
+    assert all(reasons[t] == "HoldFailures" for t in (NOW, NOW + 2, NOW + 8))
+    assert reasons[NOW + 10.0] == policy.REPAIR       # 10 s of failed requests in every window (default)
+    d, _ = decide(obs(**FAULTY), S(2), state(fault_since=NOW - 10.0), LIMITS, LOOP, NOW)
+    assert "1.00 failed req/s" in d.detail and "for 10 s" in d.detail and "20 in the window" in d.detail
+
+
+def test_a_clean_window_ends_the_streak_and_one_failure_never_repairs():
+    _, st = _run_faults(state(), NOW, NOW + 6.0)
+    d, st = decide(obs(), S(2), st, LIMITS, LOOP, NOW + 8.0)       # no failure in this window
+    assert st.fault_since is None and d.reason != "HoldFailures"
+    seen, _ = _run_faults(st, NOW + 10.0, NOW + 18.0)
+    assert policy.REPAIR not in {r for _, r in seen}               # a new streak: 8 s so far
+    one = obs(failure_rps=1 / 20.0)                                 # a single failed request in a 20-s window
+    seen, _ = _run_faults(state(), NOW, NOW + 60.0, o=one)
+    assert {r for _, r in seen} == {"HoldFailures"}
+
+
+def test_a_fault_that_persists_after_a_repair_waits_longer_each_time():
+    st = policy.record_repaired(state(fault_since=NOW - 12.0), NOW, LOOP)
+    assert st.repairs == 1 and st.repair_not_before == NOW + 300.0 and st.fault_since is None
+    seen, st = _run_faults(st, NOW + 4.0, NOW + 302.0)
+    # held until the wait is over (then it says so each tick until the loop records the repair it started)
+    assert [t for t, r in seen if r == policy.REPAIR] == [NOW + 300.0, NOW + 302.0]
+    d, _ = decide(obs(**FAULTY), S(2), st, LIMITS, LOOP, NOW + 300.0)
+    assert "persisted after 1 repair(s)" in d.detail
+    st2 = policy.record_repaired(st, NOW + 300.0, LOOP)
+    assert st2.repair_not_before == NOW + 300.0 + 600.0              # doubled
+    st9 = policy.record_repaired(dataclasses.replace(st2, repairs=9), NOW, LOOP)
+    assert st9.repair_not_before == NOW + policy.REPAIR_MAX_WAIT_S   # at most an hour
+
+
+def test_past_repairs_are_forgotten_after_a_long_time_without_faults():
+    st = policy.record_repaired(state(fault_since=NOW - 12.0), NOW, LOOP)
+    st = dataclasses.replace(st, last_fault_at=NOW)
+    _, st = decide(obs(**FAULTY), S(2), st, LIMITS, LOOP, NOW + 1000.0)    # a new fault, long after
+    assert st.repairs == 0
+    _, st = decide(obs(**FAULTY), S(2), dataclasses.replace(st, repairs=2), LIMITS, LOOP, NOW + 1002.0)
+    assert st.repairs == 2                                                 # within repair_backoff_s: kept
+
+
+def test_no_repair_when_turned_off_in_a_backoff_or_when_a_second_copy_does_not_fit():
+    off = dataclasses.replace(LOOP, repair=False)
+    seen, _ = _run_faults(state(), NOW, NOW + 40.0, loop=off)
+    assert {r for _, r in seen} == {"HoldFailures"}
+    d, _ = decide(obs(**FAULTY), S(2), state(fault_since=NOW - 30.0, backoff_until=NOW + 5.0), LIMITS, LOOP, NOW)
+    assert d.reason == "HoldBackoff"
+    # 2 instances of 1 GiB on a 16 GiB GPU with 15.5 GiB used: the repair's second copy (2 GiB) does not fit
+    full = obs(gpus=gpu(15.5 * 1024), **FAULTY)
+    d, _ = decide(full, S(2), state(fault_since=NOW - 30.0, instance_memory_bytes=GiB), LIMITS, LOOP, NOW)
+    assert d.reason == "HoldFailures" and "does not fit the memory budget" in d.detail
+
+
+def test_load_shed_by_the_scheduler_is_load_not_a_fault():
+    # 20 req/s refused by a queue policy (reason REJECTED) under pressure: scale up, do not hold
+    shed = obs(failure_rps=20.0, shed_rps=20.0, **{k: v for k, v in PRESSURED.items()})
+    assert shed.fault_rps == 0.0
+    d, st = decide(shed, S(2), state(), LIMITS, LOOP, NOW)
+    assert d.reason == "ScaleUpQueueGrowing" and st.fault_since is None
+    assert st.perf[-1].met_target is False            # a window that shed requests did not meet the target
+    mixed = obs(failure_rps=3.0, shed_rps=2.0)
+    assert mixed.fault_rps == pytest.approx(1.0)
+    assert decide(mixed, S(2), state(), LIMITS, LOOP, NOW)[0].reason == "HoldFailures"

@@ -1,6 +1,8 @@
 """Signals: parsers (real captured text, edge cases, fuzz), window arithmetic, resets, scraper."""
 from __future__ import annotations
 
+import dataclasses
+
 import http.server
 import json
 import logging
@@ -71,11 +73,13 @@ SYNTHETIC = """\
 nv_inference_request_success{model="a",version="1"} 10
 nv_inference_request_success{model="a",version="2"} 5
 nv_inference_request_success{model="b",version="1"} 7
+nv_inference_request_success{model="c",version="1"} 7
 # TYPE nv_inference_request_failure counter
 nv_inference_request_failure{model="a",reason="OTHER",version="1"} 0
 nv_inference_request_failure{model="a",reason="BACKEND",version="1"} 2
 nv_inference_request_failure{model="a",reason="REJECTED",version="2"} 1
 nv_inference_request_failure{model="b",reason="OTHER",version="1"} NaN
+nv_inference_request_failure{model="c",version="1"} 4
 # TYPE nv_inference_count counter
 nv_inference_count{model="a",version="1"} +Inf
 # TYPE nv_inference_pending_request_count gauge
@@ -106,6 +110,9 @@ model_latency_seconds{model="a",quantile="0.5"} 0.1
         pytest.param("a", "success", 15.0, id="success-summed-over-versions"),
         pytest.param("a", "failure", 3.0, id="failure-summed-over-reasons-and-versions"),
         pytest.param("b", "failure", None, id="nan-counter-is-none"),
+        pytest.param("a", "failure_shed", 1.0, id="rejected-failures-are-shed"),
+        pytest.param("b", "failure_shed", None, id="shed-unknown-when-failures-are"),
+        pytest.param("c", "failure_shed", 0.0, id="no-reason-labels-nothing-shed"),
         pytest.param("a", "inference_count", None, id="inf-counter-is-none"),
         pytest.param("a", "exec_count", None, id="absent-counter-is-none"),
         pytest.param("a", "pending", 4.0, id="pending-gauge-summed"),
@@ -120,7 +127,7 @@ def test_parse_synthetic_fields(model, field_name, expected):
 
 def test_parse_custom_metrics_summed_over_instances_only_for_the_model():
     parsed = parse_metrics(SYNTHETIC)
-    assert set(parsed) == {"a", "b"}  # nv_gpu_utilization and the orphan carry no model label
+    assert set(parsed) == {"a", "b", "c"}  # nv_gpu_utilization and the orphan carry no model label
     assert parsed["a"].custom == {"sim_device_memory_bytes": 3500.0, "model_executions_total": 10.0}
     assert parsed["b"].custom == {}
 
@@ -625,3 +632,14 @@ def test_live_server_counters_rise_after_inferences(live_server):
     obs = window.observe(now=time.monotonic(), window_s=60.0, instance_count=1)
     assert obs.valid and obs.completion_rps > 0 and obs.avg_batch_size == pytest.approx(2.0)
     assert obs.p99_source == "interval_mean_max" and obs.p99_ms > 0 and obs.compute_ms_per_request > 0  # a short window: not the 60-s summary
+
+
+def test_shed_failures_are_counted_apart_from_faults():
+    # 5 s: 90 ok, 10 failed, of which 6 refused by the scheduler's queue policy (REJECTED) and 4 in the model
+    a = dataclasses.replace(C(), failure_shed=0.0)
+    b = dataclasses.replace(C(success=90, failure=10, inference_count=90, exec_count=90, compute_us=90 * 5_000,
+                              request_us=90 * 6_000), failure_shed=6.0)
+    o = window_of((0.0, a), (5.0, b)).observe(5.0, 20.0, 1)
+    assert o.failure_rps == pytest.approx(2.0) and o.shed_rps == pytest.approx(1.2) and o.fault_rps == pytest.approx(0.8)
+    unknown = window_of((0.0, C()), (5.0, dataclasses.replace(b, failure_shed=None))).observe(5.0, 20.0, 1)
+    assert unknown.shed_rps == 0.0 and unknown.fault_rps == pytest.approx(2.0)   # no reasons: every failure a fault
