@@ -515,6 +515,7 @@ class Controller:
         """A full reload of the live settings (policy.repair), one full reload on the device at a time."""
         if self.config.loop.dry_run:
             self._record(mm, decision, obs, now, "dry_run")
+            mm.state = policy.record_repaired(mm.state, now, self.config.loop)   # as if done: one line per wait, not per tick
             return
         if any(o.pending is not None and o.pending.full_reload for o in self.models.values()):
             self._record(mm, Decision(mm.current, "HoldOtherFullReload", detail="wanted a repair"), obs, now, "hold")

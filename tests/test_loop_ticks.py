@@ -343,3 +343,47 @@ def test_claim_waits_for_a_quiet_tick_then_marks_and_later_loads_keep_the_mark()
     result = ctl._actuators["m"].apply("m", Settings(2, 0))
     assert result.ok and result.kind == "in_place" and mark_of(control.configs["m"]) == ctl.me
     ctl.close()
+
+
+class FailingModel(FakeModel):
+    """A model one of whose instances is dead: `fail_rps` of its requests fail (reason BACKEND)."""
+
+    def __init__(self, *a, fail_rps: float, **kw):
+        super().__init__(*a, **kw)
+        self.fail_rps, self.failed = fail_rps, 0.0
+
+    def at(self, t: float) -> ModelCounters:
+        if self.t is not None:
+            self.failed += self.fail_rps * (t - self.t)
+        c = super().at(t)
+        return dataclasses.replace(c, failure=self.failed, failure_shed=0.0)
+
+
+def test_lasting_failures_are_repaired_by_one_full_reload_of_the_same_settings(tmp_path):
+    from controller.actuation import REPAIR_KEY
+    clock = Clock()
+    loop = dataclasses.replace(LOOP, repair_after_s=5.0, decision_log=str(tmp_path / "d.jsonl"))
+    fm = FailingModel(100.0, 20.0, 8.0, fail_rps=1.0)
+    c, control, _ = make(["m"], {"m": fm}, clock, loop=loop)
+    run_ticks(c, clock, 15)
+    c.wait_for_pending()
+    repairs = [(m, s) for m, s in control.loads if m == "m"]
+    assert repairs == [("m", Settings(1, 0))]                          # one load, settings unchanged
+    assert REPAIR_KEY in control.configs["m"]["parameters"]
+    assert c.models["m"].state.repairs == 1 and c.models["m"].last_change["reason"] == "RepairFullReload"
+    run_ticks(c, clock, 30)                                             # the fault persists: waits 300 s
+    c.wait_for_pending()
+    assert len(control.loads) == 1 and c.models["m"].last_decision.reason == "HoldFailures"
+
+
+def test_a_dry_run_says_it_would_repair_once_per_wait_and_loads_nothing(tmp_path):
+    import json
+    clock = Clock()
+    log = tmp_path / "d.jsonl"
+    loop = dataclasses.replace(LOOP, repair_after_s=5.0, dry_run=True, decision_log=str(log))
+    c, control, _ = make(["m"], {"m": FailingModel(100.0, 20.0, 8.0, fail_rps=1.0)}, clock, loop=loop)
+    run_ticks(c, clock, 40)
+    c.close()
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    assert control.loads == []
+    assert [r["action"] for r in records if r["reason"] == "RepairFullReload"] == ["dry_run"]
