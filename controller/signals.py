@@ -50,8 +50,9 @@ class ModelCounters:
     first request. Every field is `None` when the server did not publish a finite value.
 
     `failure_shed` is the part of `failure` whose `reason` label is REJECTED or CANCELED (Triton >= 2.4x
-    labels each failure: REJECTED, CANCELED, BACKEND, OTHER): requests the scheduler refused (a queue policy's
-    `max_queue_size`, a timeout in the queue) or a client gave up on. They are load, not a fault. 0.0 when the
+    labels each failure: REJECTED, CANCELED, BACKEND, OTHER): requests that timed out in the queue (a queue
+    policy's `default_timeout_microseconds`) or were cancelled. They are load, not a fault. (Measured on 2.51:
+    requests refused for a full queue, `max_queue_size`, are not counted in any failure series.) 0.0 when the
     server labels no reason (older servers: every failure then counts as a fault).
 
     `custom` holds the model's own metrics (any family not starting with `nv_` that
