@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -51,7 +53,50 @@ def test_forecast_worked_example():
     low, mid, high = f.band(3.0)
     assert mid == pytest.approx(161.25 + 10.0 * (1 - 0.8 ** 3) / 0.2)
     assert f.spread() == pytest.approx(1.4826 * 22.4)
-    assert (low, high) == (pytest.approx(mid - 1.3 * f.spread()), pytest.approx(mid + 1.3 * f.spread()))
+    assert low == pytest.approx(mid - 1.3 * f.spread())
+    # mid + 1.3 x spread (228.8) is capped by the peak (180) continued by the trend: 180 + 10 x 2.44
+    assert mid + 1.3 * f.spread() == pytest.approx(228.8, abs=0.1)
+    assert high == pytest.approx(180.0 + 10.0 * (1 - 0.8 ** 3) / 0.2) == pytest.approx(204.4, abs=0.1)
+
+
+def test_on_off_bursts_do_not_push_the_high_end_past_the_peaks_seen():
+    # bursty.yaml's fast on/off phase on 1-s ticks: 2 s at ~380 req/s, 3 s at ~100, with counting noise
+    rng = np.random.default_rng(5)
+    f, highs, rates, uncapped = Forecast.start(0.0, 100.0), [], [], []
+    for t in range(1, 60):
+        rate = float(rng.poisson(380.0 if t % 5 in (1, 2) else 100.0))
+        f = f.update(float(t), rate)
+        rates.append(rate)
+        low, mid, high = f.band(2.0)
+        assert f.trend == 0.0                             # a burst's edge is a step, not a ramp
+        assert high <= max(rates[-30:]) + 1e-9            # the high end stays at the peaks it has seen
+        highs.append(high)
+        uncapped.append(mid + 1.3 * f.spread())
+    assert min(highs[20:]) > 300.0          # ... and stays there between bursts: no consolidation in the lulls
+    assert max(uncapped) > 480.0            # what the high end was before the cap: the swings' wide spread
+
+
+def test_the_cap_follows_a_new_peak_and_forgets_old_ones():
+    f = Forecast.start(0.0, 100.0)
+    for t in range(1, 20):
+        f = f.update(float(t), 400.0 if t % 5 == 0 else 100.0)
+    assert f.band(2.0)[2] <= 400.0 + 1e-9
+    f = f.update(20.0, 600.0)                       # a higher rate is seen at once
+    assert f.band(2.0)[2] >= 600.0
+    for t in range(21, 60):                          # 39 s of steady 100 req/s: the old peaks are gone
+        f = f.update(float(t), 100.0)
+    assert max(r for _, r in f.peaks) == 100.0 and f.band(2.0)[2] < 130.0
+
+
+def test_a_step_caught_mid_window_is_no_trend_but_a_ramp_is():
+    step = Forecast.start(0.0, 90.0)            # a noisy step: r^2 0.83, yet one jump is 70% of the rise
+    for t, r in enumerate([110.0, 360.0, 380.0, 400.0], start=1):
+        step = step.update(float(t), r)
+    assert step.trend == 0.0
+    ramp = Forecast.start(0.0, 100.0)
+    for t in range(1, 5):
+        ramp = ramp.update(float(t), 100.0 + 20.0 * t + (3.0 if t % 2 else -3.0))
+    assert ramp.trend == pytest.approx(20.0, rel=0.1)
 
 
 def test_forecast_follows_a_ramp_and_its_band_holds_the_noise():
