@@ -131,7 +131,12 @@ class ModelObserver:
         obs = self._latency(obs, now)
         if obs.valid:
             fit = self.service.fit(live)
-            predicted = None if fit is None else simulate_quantised(obs.arrival_rps, live.instance_count,
+            # the rate a typical request of the window arrived in (the mean under a steady load, the burst rate
+            # under on/off bursts: Forecast.experienced_rate), so that burstiness is not read as model error
+            rate = self.forecast.experienced_rate(obs.since) if self.forecast is not None else None
+            if rate is None or rate <= 0:
+                rate = obs.arrival_rps
+            predicted = None if fit is None else simulate_quantised(rate, live.instance_count,
                                                                     live.max_queue_delay_us, max(1, max_batch_size),
                                                                     fit.predict_ms)
             obs = dataclasses.replace(obs, service=fit, predicted_p99_ms=None if predicted is None else predicted.p99_ms)

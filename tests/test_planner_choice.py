@@ -76,6 +76,20 @@ def test_on_off_bursts_do_not_push_the_high_end_past_the_peaks_seen():
     assert max(uncapped) > 480.0            # what the high end was before the cap: the swings' wide spread
 
 
+def test_experienced_rate_is_the_mean_when_steady_and_the_burst_rate_under_bursts():
+    f = Forecast.start(0.0, 380.0)
+    for t, r in enumerate([380.0, 100.0, 100.0, 100.0], start=1):
+        f = f.update(float(t), r)
+    assert f.experienced_rate(-1.0) == 380.0          # docstring: 760 of 1,060 requests in the 380 req/s ticks
+    assert f.experienced_rate(1.5) == 100.0           # only the ticks after `since`
+    assert f.experienced_rate(10.0) is None
+    rng = np.random.default_rng(2)
+    steady = Forecast.start(0.0, 200.0)
+    for t in range(1, 21):
+        steady = steady.update(float(t), float(rng.poisson(200.0)))
+    assert steady.experienced_rate(0.0) == pytest.approx(200.0, rel=0.05)
+
+
 def test_the_cap_follows_a_new_peak_and_forgets_old_ones():
     f = Forecast.start(0.0, 100.0)
     for t in range(1, 20):
