@@ -229,6 +229,10 @@ class Forecast:
                 return r
         return ticks[-1]
 
+    def peak(self, since: float, until: float) -> float | None:
+        """The highest tick rate of the ticks in (since, until]; None without one."""
+        return max((r for t, r in self.peaks if since < t <= until), default=None)
+
     def band(self, horizon_s: float, z: float = 1.3) -> tuple[float, float, float]:
         """(low, mid, high) arrival rate `horizon_s` from the last update; never below 0."""
         fade = (1 - self.PHI ** max(0.0, horizon_s)) / (1 - self.PHI)
@@ -476,6 +480,8 @@ RATIO_WINDOWS = 5            # recent windows the correction is the median of
 DELAY_MIN_GAIN = 0.9         # a longer delay is chosen over the shortest only if its p99 is predicted 10% lower
 RATIO_MAX_AGE_S = 90.0
 MIN_RATIO_SAMPLES = 20       # a window's traced p99 rests on at least this many requests to count
+OBSERVED_OK_SAMPLES = 100    # a scale-up is held when the live config was seen meeting the margin: over this many
+OBSERVED_OK_AGE_S = 2.0      # traced requests, with the forecast's high end reached at least this long ago
 
 
 @dataclass(frozen=True)

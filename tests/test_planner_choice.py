@@ -330,6 +330,21 @@ def test_policy_keeps_the_memory_ceiling():
     assert d.held_by is None or d.held_by.value == "memory"
 
 
+def test_policy_holds_a_planned_scale_up_that_the_same_traffic_was_seen_to_meet():
+    # on/off bursts up to 700 req/s in 1-s ticks, served by 1 instance at a traced p99 of 20 ms (target 25):
+    # the plan wants more instances at the 700 req/s high end; the window's own bursts say 1 meets the margin
+    f = None
+    for k, r in enumerate([100.0, 700.0, 700.0, 100.0, 100.0, 100.0, 700.0, 700.0, 100.0, 100.0]):
+        t = NOW - 9.0 + k
+        f = Forecast.start(t, r) if f is None else f.update(t, r)
+    lim = dataclasses.replace(LIMITS, p99_target_ms=25.0)
+    d, _ = decide(obs(340.0, p99_ms=20.0), S(1), lim=lim, inp=inputs(1, 2, forecast=f))
+    assert d.reason == "HoldObservedOk" and d.target == S(1) and d.mode == "model"
+    assert "reached 700 req/s" in d.detail and "predicted:" in d.detail
+    d, _ = decide(obs(340.0, p99_ms=23.0), S(1), lim=lim, inp=inputs(1, 2, forecast=f))   # over 0.9 x 25
+    assert d.reason == "ScaleUpPredicted"
+
+
 def test_planner_off_is_the_reactive_policy():
     o = obs(300.0, p99_ms=38.0, queue_ms_per_request=9.0, busy_fraction=0.95, pending_mean=4.0)
     d, _ = policy.decide(o, S(1), policy.PolicyState(started_at=0.0), LIMITS, LoopConfig(), NOW, 32, None)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller import policy
+from controller import planner, policy
 from controller.config import LoopConfig, ModelLimits
 from controller.policy import (
     LEARNED_MAX_MEMORY_S,
@@ -1207,3 +1207,41 @@ def test_load_shed_by_the_scheduler_is_load_not_a_fault():
     mixed = obs(failure_rps=3.0, shed_rps=2.0)
     assert mixed.fault_rps == pytest.approx(1.0)
     assert decide(mixed, S(2), state(), LIMITS, LOOP, NOW)[0].reason == "HoldFailures"
+
+
+# =====================================================================================
+# observed_ok: measurement of the same traffic wins over a prediction of it
+# =====================================================================================
+
+def _forecast(rates: list[float], t_end: float = NOW) -> "planner.Forecast":
+    f = None
+    for k, r in enumerate(rates):
+        t = t_end - (len(rates) - 1 - k)
+        f = planner.Forecast.start(t, r) if f is None else f.update(t, r)
+    return f
+
+
+BURSTS = [100.0, 380.0, 385.0, 100.0, 100.0, 100.0, 378.0, 382.0, 100.0, 100.0]   # docstring, 1-s ticks
+
+
+def _ok(rates, *, p99=30.0, samples=180, source="trace", hi=385.0):
+    f = _forecast(rates)
+    plan = planner.Plan(S(3), "ScaleUpPredicted", "", usable=True, band=(0.0, 200.0, hi))
+    inputs = planner.PlanInputs(fits=(), forecast=f, max_batch=8, interval_s=1.0)
+    o = obs(since=NOW - 10.0, span_s=10.0, p99_ms=p99, p99_source=source, p99_samples=samples)
+    return policy.observed_ok(o, plan, inputs, limits(p99_target_ms=40.0), NOW)
+
+
+@pytest.mark.parametrize("kw, held", [
+    pytest.param(dict(rates=BURSTS), True, id="docstring-bursts-served-within-margin"),
+    pytest.param(dict(rates=BURSTS, p99=37.0), False, id="p99-over-the-0.9-margin"),
+    pytest.param(dict(rates=BURSTS, samples=60), False, id="too-few-traced-requests"),
+    pytest.param(dict(rates=BURSTS, source="summary"), False, id="not-a-traced-p99"),
+    pytest.param(dict(rates=BURSTS, hi=420.0), False, id="high-end-above-anything-seen"),
+    pytest.param(dict(rates=[100.0] * 8 + [385.0, 390.0]), False, id="a-step-up-is-only-in-the-newest-ticks"),
+])
+def test_observed_ok_holds_a_scale_up_only_on_evidence_of_the_same_traffic(kw, held):
+    why = _ok(**kw)
+    assert (why is not None) == held
+    if held:
+        assert "observed p99 30.0 ms over 180 traced requests" in why and "reached 385 req/s" in why
