@@ -137,10 +137,13 @@ class Load(threading.Thread):
             k += 1
 
 
-def reloads_logged(decision_log: Path) -> dict[str, int]:
-    """Applied and failed changes in the decision log and its rotated files (decisions.jsonl.1 ...)."""
-    actions = [r.get("action") for r in read_rotated(decision_log)]
-    return {"applied": actions.count("applied"), "failed": actions.count("failed")}
+def reloads_logged(decision_log: Path) -> dict:
+    """Applied and failed changes in the decision log and its rotated files (decisions.jsonl.1 ...), and the
+    reasons of the applied ones in order (e.g. ["ScaleUpPredicted", "ScaleDownConsolidated"])."""
+    records = read_rotated(decision_log)
+    actions = [r.get("action") for r in records]
+    return {"applied": actions.count("applied"), "failed": actions.count("failed"),
+            "reasons": [str(r.get("reason")) for r in records if r.get("action") == "applied"]}
 
 
 def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: float = 30.0, high_rps: float = 250.0,
@@ -185,6 +188,7 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
     shutil.rmtree(work, ignore_errors=True)
     return {"minutes": minutes, "every_s": every_s, "phase_s": phase_s, "low_rps": low_rps, "high_rps": high_rps,
             "p99_target_ms": target_ms, "reloads_applied": reloads["applied"], "reloads_failed": reloads["failed"],
+            "applied_reasons": reloads["reasons"],
             "requests": None if load is None else load.requests, "failed_requests": None if load is None else load.failed,
             "errors": None if load is None else load.errors, "serve_exit": serve.returncode, "samples": samples}
 

@@ -1,5 +1,5 @@
-"""Issue 13, item 5, short CI version of scripts/long_run.py: `serve` for a minute under a load alternating
-low/high (the controller scales up and down), sampled every 3 s; after a 30-s warm-up neither the controller
+"""Issue 13, item 5, short CI version of scripts/long_run.py: `serve` for two minutes under a load alternating
+low/high every 20 s (the controller scales up and down), sampled every 3 s; after a 30-s warm-up neither the controller
 nor the server grows past a bound in RSS, open fds or threads, and no request fails."""
 from __future__ import annotations
 
@@ -38,12 +38,16 @@ def test_the_server_is_compared_at_the_same_instance_count():
         "server rss_mb at 2 instance(s): 60.0 -> 95.0 (bound +20)"]
 
 
-def test_one_minute_of_serve_under_varying_load_stays_flat():
-    doc = long_run.long_run(minutes=1.0, every_s=3.0, phase_s=8.0, low_rps=20.0, high_rps=200.0, log=lambda _: None)
+def test_two_minutes_of_serve_under_varying_load_stay_flat():
+    # why 20-s phases: under a load that flips every 8 s the planner rightly keeps the instances of the high phase
+    # (its forecast's band spans both rates), so an 8-s test passed only on delay-change churn
+    doc = long_run.long_run(minutes=2.0, every_s=3.0, phase_s=20.0, low_rps=20.0, high_rps=200.0, log=lambda _: None)
     samples = doc["samples"]
     assert len(samples) >= 15 and doc["serve_exit"] == 0
     assert doc["requests"] > 2000 and doc["failed_requests"] == 0, doc["errors"]
     assert max(s["stubs"]["count"] for s in samples) >= 2              # the controller did add instances ...
-    assert doc["reloads_applied"] >= 2 and doc["reloads_failed"] == 0   # ... and removed them (logged as applied)
+    assert doc["reloads_applied"] >= 2 and doc["reloads_failed"] == 0, doc["applied_reasons"]
+    reasons = doc["applied_reasons"]                                   # ... and removed them again
+    assert any(r.startswith("ScaleUp") for r in reasons) and any(r.startswith("ScaleDown") for r in reasons), reasons
     growth = long_run.check_growth(samples, warmup_s=30.0, rss_mb=40, fds=15, threads=10)
     assert not growth, (growth, [(s["t_s"], s["controller"], s["server"]) for s in samples])
