@@ -20,7 +20,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import groups
@@ -179,44 +179,49 @@ class Actuator:
 
     def claim(self, model: str) -> ApplyResult:
         """Load the live config with this actuator's owner mark, settings unchanged (a full reload)."""
-        t0 = time.monotonic()
-        try:
-            live_cfg, live = self.read(model)
-        except Exception as e:  # noqa: BLE001
-            return ApplyResult(False, "none", None, time.monotonic() - t0, f"cannot read live config: {_msg(e)}")
-        if self.mark is None or mark_of(live_cfg) == self.mark:
-            return ApplyResult(True, "none", live, time.monotonic() - t0)
-        try:
-            self.control.load(model, with_mark(copy.deepcopy(live_cfg), self.mark))
-            self._wait_ready(model)
-            after_cfg, after = self.read(model)
-        except Exception as e:  # noqa: BLE001
-            return ApplyResult(False, "full_reload", self._read_quietly(model), time.monotonic() - t0, _msg(e))
-        if mark_of(after_cfg) != self.mark:
-            return ApplyResult(False, "full_reload", after, time.monotonic() - t0, "the owner mark did not stick")
-        return ApplyResult(True, "full_reload", after, time.monotonic() - t0)
+        mark = self.mark
+
+        def edit(cfg: dict) -> dict | None:
+            return None if mark is None or mark_of(cfg) == mark else with_mark(cfg, mark)
+
+        return self._reload_live(model, edit, lambda cfg, after, live: None if mark_of(cfg) == mark
+                                 else "the owner mark did not stick")
 
     def repair(self, model: str) -> ApplyResult:
         """Reload the live config in full, settings unchanged: every instance (a dead stub among them) is created
         anew while the old copy serves. Loading an identical config changes nothing on 2.51, so the config
         carries a fresh `REPAIR_KEY` parameter (a parameter change is a full reload, as the owner mark's is);
         it stays in the live config, and the next repair replaces it."""
+        def edit(cfg: dict) -> dict:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) + f".{time.time_ns() % 1_000_000_000:09d}"
+            cfg.setdefault("parameters", {})[REPAIR_KEY] = {"string_value": stamp}
+            return cfg
+
+        return self._reload_live(model, edit, lambda cfg, after, live: None if after == live
+                                 else f"server reports {after} after repairing {live}")
+
+    def _reload_live(self, model: str, edit: Callable[[dict], dict | None],
+                     check: Callable[[dict, Settings, Settings], str | None]) -> ApplyResult:
+        """A full reload of the live config as `edit` changes it (given a copy; None: nothing to do), waiting
+        for READY and reading the result back; `check(config after, settings after, settings before)` says
+        what is wrong with the result (None: nothing). The shared path of `claim` and `repair`."""
         t0 = time.monotonic()
         try:
             live_cfg, live = self.read(model)
         except Exception as e:  # noqa: BLE001
             return ApplyResult(False, "none", None, time.monotonic() - t0, f"cannot read live config: {_msg(e)}")
-        cfg = copy.deepcopy(live_cfg)
-        cfg.setdefault("parameters", {})[REPAIR_KEY] = {"string_value": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-                                                        + f".{time.time_ns() % 1_000_000_000:09d}"}
+        cfg = edit(copy.deepcopy(live_cfg))
+        if cfg is None:
+            return ApplyResult(True, "none", live, time.monotonic() - t0)
         try:
             self.control.load(model, cfg)
             self._wait_ready(model)
-            _, after = self.read(model)
+            after_cfg, after = self.read(model)
         except Exception as e:  # noqa: BLE001
             return ApplyResult(False, "full_reload", self._read_quietly(model), time.monotonic() - t0, _msg(e))
-        if after != live:
-            return ApplyResult(False, "full_reload", after, time.monotonic() - t0, f"server reports {after} after repairing {live}")
+        wrong = check(after_cfg, after, live)
+        if wrong is not None:
+            return ApplyResult(False, "full_reload", after, time.monotonic() - t0, wrong)
         return ApplyResult(True, "full_reload", after, time.monotonic() - t0)
 
     def _wait_ready(self, model: str) -> None:

@@ -605,15 +605,10 @@ class Controller:
                 mm.state = policy.record_failed(mm.state, decision, before, now, self.config.loop.failure_backoff_s)
                 self.metrics.failure(mm.name)
                 log.warning("%s: repair failed after %.1f s: %s", mm.name, result.seconds, result.error)
-            mm.last_change = {"time": time.time(), "t": now, "ok": result.ok, "from": _asdict(before),
-                              "to": _asdict(mm.current), "reason": decision.reason, "detail": decision.detail,
-                              "kind": result.kind, "apply_s": round(result.seconds, 2), "error": result.error or None}
+            mm.last_change = _change(now, result, decision, before, mm.current)
             self._record(mm, decision, obs, now, "repaired" if result.ok else "repair_failed", result)
             return
-        mm.last_change = {"time": time.time(), "t": now, "ok": result.ok, "from": _asdict(before),
-                          "to": _asdict(result.live if result.ok else decision.target), "reason": decision.reason,
-                          "detail": decision.detail, "kind": result.kind, "apply_s": round(result.seconds, 2),
-                          "error": result.error or None}
+        mm.last_change = _change(now, result, decision, before, result.live if result.ok else decision.target)
         if result.ok:
             mm.state = policy.record_applied(mm.state, decision, before, obs, now, result.seconds)
             mm.current = result.live
@@ -804,6 +799,13 @@ def _int_parameter(cfg: dict, key: str) -> int | None:
     except (TypeError, ValueError, AttributeError):
         return None
     return value if value > 0 else None
+
+
+def _change(now: float, result: ApplyResult, decision: Decision, before: Settings, to: Settings | None) -> dict:
+    """The `last_change` a model's status shows for an applied, failed or repairing reload."""
+    return {"time": time.time(), "t": now, "ok": result.ok, "from": _asdict(before), "to": _asdict(to),
+            "reason": decision.reason, "detail": decision.detail, "kind": result.kind,
+            "apply_s": round(result.seconds, 2), "error": result.error or None}
 
 
 def _asdict(s: Settings | None) -> dict | None:
