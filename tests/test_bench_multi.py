@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from controller.evaluation.bench_multi import MultiBenchError, _peak_total, bench_multi, is_multi_model_scenario, load_scenario, static_splits
+from controller.evaluation.bench_multi import (MultiBenchError, _peak_total, bench_multi, format_summary,
+                                               is_multi_model_scenario, load_scenario, static_splits)
 
 
 def test_static_splits_cover_every_split_with_one_instance_each():
@@ -45,6 +46,8 @@ def test_shipped_scenario_is_a_two_model_scenario():
     assert set(sc.models) == {"sim_a", "sim_b"} and sc.budget_instances == 3
     assert sc.models["sim_a"].duration_s == sc.models["sim_b"].duration_s == 150
     assert not is_multi_model_scenario(ROOT / "scripts" / "scenarios" / "shift.yaml")
+    tight = load_scenario(ROOT / "scripts" / "scenarios" / "two_models_tight.yaml")   # the same traffic at 25 ms
+    assert tight.sla_ms == 25 and tight.budget_instances == 3 and tight.models == sc.models
 
 
 def test_tiny_two_model_bench_end_to_end(tmp_path):
@@ -69,4 +72,11 @@ models:
     assert summary["best_static"] in ("static_1+2", "static_2+1")
     assert summary["targets"]["within_budget"]["met"]
     assert summary["ratios"]["adaptive_vs_best_static_split"] > 0
+    # the ceiling: (4 x 60 + 4 x 10) x 2 requests scheduled over 8 s, whatever the arms served
+    assert summary["offered_rps"] == pytest.approx(70.0, rel=0.2)
+    assert summary["ratios"]["ceiling_vs_best_static_split"] == pytest.approx(
+        summary["offered_rps"] / summary["arms"][summary["best_static"]]["goodput_rps"])
+    assert summary["ratios"]["ceiling_vs_best_static_split"] >= 0.99 * max(
+        a["goodput_rps"] for a in summary["arms"].values()) / summary["arms"][summary["best_static"]]["goodput_rps"]
+    assert "the most any arm can reach" in format_summary(summary)
     assert (tmp_path / "out" / "timeline.png").stat().st_size > 10_000
