@@ -37,7 +37,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .planner import Forecast, PlanInputs, simulate_quantised
+from .planner import Forecast, PlanInputs, mixture_p99, rate_components, simulate_quantised
 from .service import ServiceTimes
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceWindow, choose_sampling, needs_change
@@ -131,17 +131,28 @@ class ModelObserver:
         obs = self._latency(obs, now)
         if obs.valid:
             fit = self.service.fit(live)
-            # the rate a typical request of the window arrived in (the mean under a steady load, the burst rate
-            # under on/off bursts: Forecast.experienced_rate), so that burstiness is not read as model error
-            rate = self.forecast.experienced_rate(obs.since) if self.forecast is not None else None
-            if rate is None or rate <= 0:
-                rate = obs.arrival_rps
-            predicted = None if fit is None else simulate_quantised(rate, live.instance_count,
-                                                                    live.max_queue_delay_us, max(1, max_batch_size),
-                                                                    fit.predict_ms)
-            obs = dataclasses.replace(obs, service=fit, predicted_p99_ms=None if predicted is None else predicted.p99_ms)
+            obs = dataclasses.replace(obs, service=fit, predicted_p99_ms=None if fit is None else self._window_p99(
+                obs, live, max(1, max_batch_size), fit))
         self.last = obs
         return obs
+
+    def _window_p99(self, obs: Observation, live: Settings, max_batch: int, fit) -> float | None:
+        """The live configuration's predicted p99 over the window, for the planner's check of itself against
+        the traced one: one simulation per load the window's ticks held (`rate_components`: one under a
+        steady load or a ramp, two under on/off bursts), their tails mixed by their requests (`mixture_p99`),
+        so that the bursts' queueing is predicted rather than read as model error, and a window that holds
+        one more or one less burst tick moves the prediction a little, not from the lull's p99 to the burst's."""
+        parts = []
+        if self.forecast is not None:
+            for rate, share in rate_components(self.forecast.rates_since(obs.since), self.forecast.tick_s):
+                if share >= 0.005:
+                    parts.append((simulate_quantised(rate, live.instance_count, live.max_queue_delay_us, max_batch,
+                                                     fit.predict_ms), share))
+        if not parts or any(p is None for p, _ in parts):
+            single = simulate_quantised(obs.arrival_rps, live.instance_count, live.max_queue_delay_us, max_batch,
+                                        fit.predict_ms)
+            return None if single is None else single.p99_ms
+        return mixture_p99(parts)
 
     def _window_utilisation(self, devices: tuple[GpuObservation, ...], since: float, now: float) -> tuple[GpuObservation, ...]:
         """The devices with their utilisation averaged over the observation's span (each tick's reading

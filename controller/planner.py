@@ -58,6 +58,10 @@ class Prediction:
     mean_batch: float
     busy: float            # mean fraction of time the instances spend executing
     stable: bool           # False when the queue grew to the end: the configuration cannot hold the load
+    tail: tuple[tuple[float, float], ...] = ()   # (P(latency > x), x ms) at TAIL_SURVIVAL: the upper tail's shape
+
+
+TAIL_SURVIVAL = (0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002)
 
 
 def simulate(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
@@ -100,9 +104,81 @@ def simulate(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
     # why: a queue that only grows makes the later requests wait far longer than the earlier ones
     stable = bool(np.mean(in_order[half:]) < 2.0 * np.mean(in_order[:half]) + 1.0)
     lat = np.sort(in_order)
-    return Prediction(p99_ms=float(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]),
-                      mean_ms=float(lat.mean()), mean_batch=float(np.mean(batches)),
-                      busy=busy_s / (horizon * instances), stable=stable)
+
+    def rank(q: float) -> float:
+        return float(lat[min(len(lat) - 1, max(0, math.ceil(q * len(lat)) - 1))])
+
+    return Prediction(p99_ms=rank(0.99), mean_ms=float(lat.mean()), mean_batch=float(np.mean(batches)),
+                      busy=busy_s / (horizon * instances), stable=stable,
+                      tail=tuple((s, rank(1.0 - s)) for s in TAIL_SURVIVAL))
+
+
+def survival(p: Prediction, x_ms: float) -> float:
+    """P(latency > x_ms) from a prediction's tail points: log-linear between them, linear from (0 ms, 1) to the
+    median, and beyond the last point continued at the last segment's decay. Example: tail (0.01, 30 ms),
+    (0.005, 34 ms): P(> 32 ms) = 0.01 x 0.5 ** 0.5 = 0.0071; P(> 38 ms) = 0.0025."""
+    pts = p.tail
+    if not pts:
+        return 1.0 if x_ms < p.p99_ms else 0.0
+    s0, x0 = pts[0]
+    if x_ms <= x0:
+        return 1.0 - (1.0 - s0) * (max(0.0, x_ms) / x0) if x0 > 0 else s0
+    for (sa, xa), (sb, xb) in zip(pts, pts[1:]):
+        if x_ms <= xb:
+            if xb <= xa:
+                return sb
+            return sa * (sb / sa) ** ((x_ms - xa) / (xb - xa))
+    (sa, xa), (sb, xb) = pts[-2], pts[-1]
+    if xb <= xa:
+        return 0.0
+    return sb * (sb / sa) ** ((x_ms - xb) / (xb - xa))
+
+
+def mixture_p99(parts: Sequence[tuple[Prediction, float]], q: float = 0.99) -> float | None:
+    """The p99 over the requests of several loads together (each part: its prediction and its share of the
+    requests): the x where the shares' weighted P(latency > x) is 1 - q (bisection). One part: its own p99.
+
+    Example: a window whose requests came 70% in bursts (there p98 26 ms, p99 30 ms, p99.5 34 ms) and 30%
+    between them (all under 15 ms): 0.7 x P_burst(> x) = 0.01 at P_burst = 0.0143, x = 27.9 ms: the window's
+    p99 is the bursts' p98.6. It moves smoothly with the bursts' share (45%: 25.5 ms, p95 there 22 ms),
+    where a rate picked by the median request jumped from the burst's to the lull's as the share crossed 50%."""
+    parts = [(p, w) for p, w in parts if p is not None and w > 0]
+    if not parts:
+        return None
+    total = sum(w for _, w in parts)
+    if len(parts) == 1:
+        return parts[0][0].p99_ms
+    target = 1.0 - q
+    lo, hi = 0.0, max(max((x for _, x in p.tail), default=p.p99_ms) for p, _ in parts) * 4 + 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(w * survival(p, mid) for p, w in parts) / total > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def rate_components(rates: Sequence[float], tick_s: float, k: float = 3.0) -> list[tuple[float, float]]:
+    """A window's tick rates grouped into loads that differ by more than counting noise: (rate, share of the
+    requests) per group, its rate the one its requests arrived in (sum r^2 / sum r). Sorted rates split where
+    neighbours are more than `k` x the Poisson noise of a tick's rate apart, sqrt(rate / tick_s).
+
+    Example (1-s ticks): 378, 380, 102, 97, 99, 101 -> gap 102 -> 378 >> 3 x sqrt(378) = 58: two loads,
+    (99.8, 0.34) and (379.0, 0.66). A steady 200 req/s (ticks 186-214) is one load (~200.5, 1.0): its ticks
+    differ by counting noise, which a simulation at the mean rate already holds."""
+    rs = sorted(r for r in rates if math.isfinite(r) and r >= 0)
+    total = sum(rs)
+    if not rs or total <= 0:
+        return []
+    groups: list[list[float]] = [[rs[0]]]
+    for r in rs[1:]:
+        prev = groups[-1][-1]
+        if r - prev > k * math.sqrt(max(r, 1.0) / max(tick_s, 0.1)):
+            groups.append([r])
+        else:
+            groups[-1].append(r)
+    return [(sum(x * x for x in g) / sum(g), sum(g) / total) for g in groups if sum(g) > 0]
 
 
 # ---- the arrival-rate forecast ---------------------------------------------------------------------
@@ -208,26 +284,9 @@ class Forecast:
             return self.poisson()
         return max(1.4826 * float(np.median(np.abs(self.errors))), self.poisson())
 
-    def experienced_rate(self, since: float) -> float | None:
-        """The arrival rate a typical request of the ticks after `since` arrived in: the median of their tick
-        rates, each weighted by its requests (rate; ticks are about equally long). Under a steady load it is the
-        mean rate; under on/off bursts it is the burst rate, since most requests arrive in the bursts.
-
-        Example: 1-s ticks at 380, 380, 100, 100, 100 req/s (mean 212): 760 of the 1,060 requests arrived
-        in the 380 req/s ticks, so a request's median rate is 380. A window's p99 is made by its busiest
-        stretches: the planner's check of itself (observed p99 / predicted p99 of the live configuration)
-        predicts at this rate, not the mean, or a burst's own queueing would be charged to the model as
-        error, and then again to every candidate sized for the burst."""
-        ticks = sorted(r for t, r in self.peaks if t > since)
-        total = sum(ticks)
-        if not ticks or total <= 0:
-            return None
-        run = 0.0
-        for r in ticks:
-            run += r
-            if run >= total / 2:
-                return r
-        return ticks[-1]
+    def rates_since(self, since: float) -> list[float]:
+        """The tick rates of the ticks after `since` (of the last PEAK_S seconds), oldest first."""
+        return [r for t, r in self.peaks if t > since]
 
     def peak(self, since: float, until: float) -> float | None:
         """The highest tick rate of the ticks in (since, until]; None without one."""

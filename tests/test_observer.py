@@ -48,3 +48,30 @@ def test_the_forecast_follows_the_tick_rates():
         o.add_scrape(float(t), c, None, LIVE)
     assert o.forecast is not None and o.forecast.ticks == 11
     assert o.forecast.band(2.0)[2] >= 200.0 and 150.0 < o.forecast.level < 200.0
+
+
+def test_the_window_p99_mixes_bursts_and_lulls_and_moves_little_with_one_burst_tick():
+    from types import SimpleNamespace
+
+    from controller.planner import Forecast, simulate_quantised
+
+    fit = SimpleNamespace(predict_ms=lambda b: 6.0 + 1.5 * b)     # one instance: 133 req/s unbatched, ~440 in 8s
+
+    def window_p99(rates: list[float]) -> float:
+        o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+        f = Forecast.start(0.0, rates[0])
+        for t, r in enumerate(rates[1:], start=1):
+            f = f.update(float(t), r)
+        o.forecast = f
+        obs = SimpleNamespace(since=-0.5, arrival_rps=sum(rates) / len(rates))
+        return o._window_p99(obs, LIVE, 8, fit)
+
+    lull, burst = simulate_quantised(100.0, 1, 0, 8, fit.predict_ms).p99_ms, simulate_quantised(
+        378.0, 1, 0, 8, fit.predict_ms).p99_ms
+    four = window_p99([100.0] * 6 + [378.0] * 4)       # 72% of the requests in bursts
+    three = window_p99([100.0] * 7 + [378.0] * 3)      # 62%
+    two = window_p99([100.0] * 8 + [378.0] * 2)        # 49%: the median request is now a lull's
+    assert lull < two <= three <= four <= burst
+    assert four - two < 0.35 * (burst - lull)           # one burst tick less moves it a little, not lull <-> burst
+    steady = window_p99([200.0] * 10)                   # one load: the simulation at its rate
+    assert steady == simulate_quantised(200.0, 1, 0, 8, fit.predict_ms).p99_ms

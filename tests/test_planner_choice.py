@@ -76,18 +76,48 @@ def test_on_off_bursts_do_not_push_the_high_end_past_the_peaks_seen():
     assert max(uncapped) > 480.0            # what the high end was before the cap: the swings' wide spread
 
 
-def test_experienced_rate_is_the_mean_when_steady_and_the_burst_rate_under_bursts():
-    f = Forecast.start(0.0, 380.0)
-    for t, r in enumerate([380.0, 100.0, 100.0, 100.0], start=1):
-        f = f.update(float(t), r)
-    assert f.experienced_rate(-1.0) == 380.0          # docstring: 760 of 1,060 requests in the 380 req/s ticks
-    assert f.experienced_rate(1.5) == 100.0           # only the ticks after `since`
-    assert f.experienced_rate(10.0) is None
+def test_rate_components_split_bursts_from_lulls_but_not_counting_noise():
+    parts = planner.rate_components([378.0, 380.0, 102.0, 97.0, 99.0, 101.0], 1.0)      # the docstring's example
+    assert [(round(r, 1), round(w, 2)) for r, w in parts] == [(99.8, 0.34), (379.0, 0.66)]
     rng = np.random.default_rng(2)
-    steady = Forecast.start(0.0, 200.0)
-    for t in range(1, 21):
-        steady = steady.update(float(t), float(rng.poisson(200.0)))
-    assert steady.experienced_rate(0.0) == pytest.approx(200.0, rel=0.05)
+    steady = planner.rate_components([float(x) for x in rng.poisson(200.0, 20)], 1.0)
+    assert len(steady) == 1 and steady[0][0] == pytest.approx(200.0, rel=0.05) and steady[0][1] == 1.0
+    ramp = planner.rate_components([40.0 + 7.4 * k for k in range(10)], 1.0)            # shift's morning, 1-s ticks
+    assert len(ramp) == 1
+    assert planner.rate_components([], 1.0) == [] and planner.rate_components([0.0, 0.0], 1.0) == []
+    f = Forecast.start(0.0, 380.0)
+    for t, r in enumerate([380.0, 100.0, 100.0], start=1):
+        f = f.update(float(t), r)
+    assert f.rates_since(0.5) == [380.0, 100.0, 100.0] and f.rates_since(10.0) == []
+
+
+def _pred(p99, tail):
+    return planner.Prediction(p99, 0.0, 1.0, 0.5, True, tuple(zip(planner.TAIL_SURVIVAL, tail)))
+
+
+def test_mixture_p99_docstring_examples_and_continuity():
+    burst = _pred(30.0, (12, 16, 19, 22, 26, 30, 34, 40))
+    lull = _pred(14.0, (9, 10, 11, 12, 13, 14, 14.5, 15))
+    assert planner.mixture_p99([(burst, 0.7), (lull, 0.3)]) == pytest.approx(27.94, abs=0.01)
+    assert planner.mixture_p99([(burst, 0.45), (lull, 0.55)]) == pytest.approx(25.54, abs=0.01)
+    assert planner.mixture_p99([(burst, 1.0)]) == 30.0 and planner.mixture_p99([]) is None
+    # a window holding one burst tick more or less moves the prediction a little (the median request's rate
+    # jumped from the burst's p99 to the lull's as the share crossed 50%)
+    values = [planner.mixture_p99([(burst, w), (lull, 1 - w)]) for w in np.linspace(0.3, 0.8, 11)]
+    assert all(b >= a for a, b in zip(values, values[1:])) and max(np.diff(values)) < 1.5
+    two = _pred(30.0, (0.0,) * 8)
+    assert planner.survival(planner.Prediction(30.0, 0, 1, 0, True, ((0.01, 30.0), (0.005, 34.0))), 32.0) == \
+        pytest.approx(0.01 * 0.5 ** 0.5)
+    assert planner.survival(planner.Prediction(30.0, 0, 1, 0, True, ((0.01, 30.0), (0.005, 34.0))), 38.0) == \
+        pytest.approx(0.0025)
+    assert planner.survival(two, 1.0) == 0.0
+
+
+def test_simulated_tail_points_agree_with_the_p99():
+    p = planner.simulate(100.0, 1, 0, 8, lambda b: 6 + 1.5 * b)
+    assert [s for s, _ in p.tail] == list(planner.TAIL_SURVIVAL)
+    assert dict(p.tail)[0.01] == p.p99_ms
+    assert all(b >= a for (_, a), (_, b) in zip(p.tail, p.tail[1:]))
 
 
 def test_the_cap_follows_a_new_peak_and_forgets_old_ones():
