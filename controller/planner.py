@@ -636,7 +636,8 @@ def fallback(why: str, state: PlannerState) -> Plan:
 
 def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: PlannerState, *, target_ms: float,
            min_instances: int, ceiling: int, min_delay_us: int, max_delay_us: int, delay_allowed: bool,
-           device_util: float | None, exec_rps: float, avg_batch: float, now: float) -> Plan:
+           device_util: float | None, exec_rps: float, avg_batch: float, now: float,
+           reload_max: int | None = None) -> Plan:
     """The fewest instances, then the shortest delay, predicted to keep p99 under MARGIN x target at
     the forecast's upper band; a smaller configuration only after CONSOLIDATE_TICKS checks in a row.
 
@@ -653,6 +654,12 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     delay 0 is predicted at ~44 ms (> 36 = 0.9 x 40), two instances at ~17 ms: the choice is 2 (or
     more, in one jump, if the band were higher). Later the band falls to 80-100 req/s: one instance
     at 100 req/s is predicted at ~19 ms (< 32 = 0.8 x 40) three decisions in a row: back to 1.
+
+    `reload_max`: the most instances a full reload may load now (None: no limit known). A new delay is a full
+    reload, which loads the target's instances beside the live ones, so a candidate with another delay and
+    more instances than that is not considered (the memory budget, double memory during a full reload).
+    Example: budget 3 instances, 1 of another model and 1 live here: 1 x 0us -> 2 x 2000us would hold 4 for
+    a moment; `reload_max` = 1, so 2 x 0us (in place) or 1 x 2000us are the options.
     """
     model = ServiceModel.build(inputs.fits, device_util)
     if live.instance_count not in model.fits:
@@ -673,6 +680,10 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         else [live.max_queue_delay_us]
     cache: dict[Settings, Candidate | None] = {}
 
+    def reloadable(s: Settings) -> bool:
+        """A change to `s` fits in memory: in place (same delay), or a full reload of at most `reload_max`."""
+        return s.max_queue_delay_us == live.max_queue_delay_us or reload_max is None or s.instance_count <= reload_max
+
     def at_hi(s: Settings) -> Candidate | None:
         if s not in cache:
             own = factor if s == live else config_correction(state, s, factor, now)
@@ -689,6 +700,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             for d in delays[:1] if hopeless else delays:
                 if longest_us is not None and d > longest_us:
                     break
+                if not reloadable(Settings(n, d)):
+                    continue
                 c = at_hi(Settings(n, d))
                 if c is None or c.p99_ms > under_ms:
                     continue
@@ -750,7 +763,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
                     state=keep, spare=spare, **common)
     if chosen is None:
         # nothing is predicted to meet the target: the configuration predicted best, if it beats the live one
-        options = [c for c in (at_hi(Settings(max(ceiling, min_instances), d)) for d in delays) if c is not None]
+        top = max(ceiling, min_instances)
+        options = [c for c in (at_hi(Settings(top, d)) for d in delays if reloadable(Settings(top, d))) if c is not None]
         best_c = min(options, key=lambda c: (c.p99_ms, c.settings.max_queue_delay_us), default=None)
         if best_c is None or best_c.settings == live or (live_c is not None and best_c.p99_ms >= 0.9 * live_c.p99_ms):
             return Plan(None, "HoldPredictedNoneMeets", where, usable=True, state=keep, **common)

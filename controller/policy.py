@@ -352,6 +352,23 @@ def full_reload_fits(current: Settings, limits: ModelLimits, state: PolicyState,
     return budget is None or used is None or used + current.instance_count * per <= budget
 
 
+def full_reload_max_count(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation) -> int | None:
+    """The most instances a full reload may load now: a copy of n instances beside what is in use must fit the
+    budget (None: no limit known). On several GPUs only the live count's placement is known, so there the
+    answer is the live count when `full_reload_fits`, else 0. Example: budget 192 MiB, 128 in use, 64 per
+    instance: 1."""
+    per = state.instance_memory_bytes
+    if per is None or per <= 0:
+        return None
+    if gpu_memory(obs) is not None:
+        return current.instance_count if full_reload_fits(current, limits, state, obs) else 0
+    used, total = device_memory(obs)
+    budget = memory_budget_bytes(limits, total)
+    if budget is None or used is None:
+        return None
+    return max(0, int((budget - used) // per))
+
+
 # ---- stage 3: review the last instance step -------------------------------------------------------
 
 def pressured(obs: Observation, limits: ModelLimits) -> bool:
@@ -583,7 +600,7 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
                           min_instances=limits.min_instances, ceiling=ceiling, min_delay_us=limits.min_delay_us,
                           max_delay_us=limits.max_delay_us, delay_allowed=delay_allowed,
                           device_util=device_utilisation(obs), exec_rps=obs.exec_rps, avg_batch=obs.avg_batch_size,
-                          now=now)
+                          now=now, reload_max=full_reload_max_count(current, limits, state, obs))
     if not plan.usable:
         return None, dataclasses.replace(state, plan=pstate), plan.detail
     state = dataclasses.replace(state, plan=plan.state)

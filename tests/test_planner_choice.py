@@ -36,10 +36,10 @@ def inputs(*counts: int, forecast: Forecast | None = None, max_batch: int = 32, 
 
 
 def run(live: Settings, rate: float, inp: PlanInputs, state: PlannerState = PlannerState(), *, target=40.0,
-        ceiling=8, max_delay=10_000, delay_allowed=True, util=None, now=100.0, batch=1.5):
+        ceiling=8, max_delay=10_000, delay_allowed=True, util=None, now=100.0, batch=1.5, reload_max=None):
     return choose(live, rate, inp, state, target_ms=target, min_instances=1, ceiling=ceiling, min_delay_us=0,
                   max_delay_us=max_delay, delay_allowed=delay_allowed, device_util=util, exec_rps=rate / batch,
-                  avg_batch=batch, now=now)
+                  avg_batch=batch, now=now, reload_max=reload_max)
 
 
 # ---- the forecast -------------------------------------------------------------------------------
@@ -398,6 +398,9 @@ def test_the_choice_never_leaves_the_bounds_or_the_budget(rate, n, d, max_i, bud
     assert t.instance_count >= lim.min_instances
     if t.instance_count > n:
         assert t.instance_count <= ceiling
+    if decision.mode == "model" and t.max_queue_delay_us != d and budget is not None:
+        # a new delay is a full reload: its instances load beside everything in use, within the budget
+        assert used + t.instance_count * 64 <= budget
 
 
 def test_a_configuration_remembers_how_far_off_its_own_prediction_was():
@@ -545,3 +548,31 @@ def test_a_scale_down_never_raises_the_delay(monkeypatch, one_at_0us, expected):
         assert p.reason == "HoldPredictedOk" and p.target is None and p.spare == 0, p
     else:
         assert p.reason == "ScaleDownConsolidated" and p.target == expected, p
+
+
+@pytest.mark.parametrize("rate, target, ceiling, unlimited, reload_max", [
+    pytest.param(300.0, 20.0, 2, S(2, 2000), 1, id="best-effort-2x2000-needs-2-in-a-full-reload"),
+    pytest.param(380.0, 20.0, 3, S(3, 2000), 2, id="predicted-3x2000-needs-3"),
+    pytest.param(380.0, 20.0, 3, S(3, 2000), 0, id="no-full-reload-fits"),
+])
+def test_a_new_delay_is_chosen_only_where_its_full_reload_fits(rate, target, ceiling, unlimited, reload_max):
+    # two_models_tight bench: sim_a went 1x0us -> 2x2000us with 1 instance of sim_b beside it and a budget of 3:
+    # the full reload held 4 for a moment. A delay change loads the target's instances beside the live ones.
+    assert run(S(1), rate, inputs(1, 2), target=target, ceiling=ceiling).target == unlimited
+    p = run(S(1), rate, inputs(1, 2), target=target, ceiling=ceiling, reload_max=reload_max)
+    assert p.target is not None and p.target.instance_count > 1       # it still scales up ...
+    assert p.target.max_queue_delay_us == 0 or p.target.instance_count <= reload_max   # ... in place
+    assert run(S(1), rate, inputs(1, 2), target=target, ceiling=ceiling, reload_max=ceiling).target == unlimited
+
+
+def test_the_policy_keeps_a_scale_up_in_place_when_its_delay_change_would_not_fit_in_memory():
+    # the two_models_tight case: 128 MiB in use of a 192-MiB budget (this model's 1 instance and another
+    # model's), 64 MiB per instance: one more instance fits, a full reload to 2 instances (4 at once) does not
+    gpus = (GpuObservation(0, 50.0, 128 * MiB, 4096 * MiB),)
+    st_ = policy.PolicyState(started_at=0.0, instance_memory_bytes=64 * MiB)
+    lim = dataclasses.replace(LIMITS, p99_target_ms=20.0, memory_budget_mb=192)
+    free = dataclasses.replace(LIMITS, p99_target_ms=20.0, memory_budget_mb=None, max_instances=2)
+    d_free, _ = decide(obs(300.0, gpus=gpus), S(1), st_, free)
+    assert d_free.target == S(2, 2000)                   # with room, the planner adds the delay too
+    d, _ = decide(obs(300.0, gpus=gpus), S(1), st_, lim)
+    assert d.mode == "model" and d.target == S(2, 0)     # within the budget: the instance, in place

@@ -30,6 +30,7 @@ from controller.policy import (
     StepRecord,
     decide,
     full_reload_fits,
+    full_reload_max_count,
     initial_state,
     is_low,
     learn_instance_memory,
@@ -477,6 +478,22 @@ def test_full_reload_fits(used_mib, n, per_mib, budget_mb, expected):
     lim = limits(memory_budget_mb=budget_mb)
     o = obs(gpus=gpu(used_mib, None if budget_mb is None else total))
     assert full_reload_fits(S(n), lim, st_, o) is expected
+
+
+@pytest.mark.parametrize("used_mib, per_mib, budget_mb, expected", [
+    pytest.param(128, 64, 192, 1, id="docstring-128+64-of-192"),
+    pytest.param(600, 100, 1000, 4, id="600-of-1000-holds-4-more"),
+    pytest.param(1000, 100, 1000, 0, id="full"),
+    pytest.param(1100, 100, 1000, 0, id="over-budget-is-0-not-negative"),
+    pytest.param(600, None, 1000, None, id="unknown-per-instance"),
+])
+def test_full_reload_max_count(used_mib, per_mib, budget_mb, expected):
+    st_ = state(instance_memory_bytes=None if per_mib is None else per_mib * MiB)
+    o = obs(gpus=gpu(used_mib, 16384))
+    assert full_reload_max_count(S(1), limits(memory_budget_mb=budget_mb), st_, o) == expected
+    if expected is not None:     # the same answer as full_reload_fits, count by count
+        for n in range(1, 6):
+            assert full_reload_fits(S(n), limits(memory_budget_mb=budget_mb), st_, o) is (n <= expected)
 
 
 def test_full_reload_fits_without_readings():
