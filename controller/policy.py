@@ -339,34 +339,37 @@ def memory_cap(current: Settings, limits: ModelLimits, state: PolicyState, obs: 
 def full_reload_fits(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation) -> bool:
     """A full reload loads a second copy with all instances before the old one goes: used + n x per,
     on each GPU the model is on where it is on several (`gpu_memory`), else over the devices observed."""
-    per = state.instance_memory_bytes
-    if per is None:
-        return True
-    mem = gpu_memory(obs)
-    if mem is not None:
-        n_on = dict(obs.placement)
-        return all(budget is None or used + n_on[key] * per <= budget
-                   for key, (used, total) in mem.items() for budget in [memory_budget_bytes(limits, total)])
-    used, total = device_memory(obs)
-    budget = memory_budget_bytes(limits, total)
-    return budget is None or used is None or used + current.instance_count * per <= budget
+    most = full_reload_max_count(current, limits, state, obs)
+    return most is None or current.instance_count <= most
 
 
 def full_reload_max_count(current: Settings, limits: ModelLimits, state: PolicyState, obs: Observation) -> int | None:
     """The most instances a full reload may load now: a copy of n instances beside what is in use must fit the
-    budget (None: no limit known). On several GPUs only the live count's placement is known, so there the
-    answer is the live count when `full_reload_fits`, else 0. Example: budget 192 MiB, 128 in use, 64 per
-    instance: 1."""
+    budget, used + n x per <= budget (None: no limit known). On several GPUs only the live count's placement
+    is known, so there the answer is the live count when its copy fits on each of them, else 0.
+    Example: budget 192 MiB, 128 in use, 64 per instance: 1."""
     per = state.instance_memory_bytes
-    if per is None or per <= 0:
+    if per is None:
         return None
-    if gpu_memory(obs) is not None:
-        return current.instance_count if full_reload_fits(current, limits, state, obs) else 0
+    mem = gpu_memory(obs)
+    if mem is not None:
+        n_on = dict(obs.placement)
+        fits = all(budget is None or used + n_on[key] * per <= budget
+                   for key, (used, total) in mem.items() for budget in [memory_budget_bytes(limits, total)])
+        return current.instance_count if fits else 0
     used, total = device_memory(obs)
     budget = memory_budget_bytes(limits, total)
     if budget is None or used is None:
         return None
-    return max(0, int((budget - used) // per))
+    if per <= 0:
+        return None if used <= budget else 0
+    most = max(0, int((budget - used) // per))
+    # why: the division rounds; the count is the one the inequality itself allows
+    while used + (most + 1) * per <= budget:
+        most += 1
+    while most > 0 and used + most * per > budget:
+        most -= 1
+    return most
 
 
 # ---- stage 3: review the last instance step -------------------------------------------------------
