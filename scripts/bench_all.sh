@@ -10,6 +10,8 @@
 #   shift_tight    the same day, SLA 25 ms (about 2.2x the unloaded client latency)
 #   bursty         on/off bursts at the same 200 req/s mean as smooth phases, SLA 40 ms
 #   delay_matters  the fixed-cost profile on a diurnal day, SLA 25 ms, 4 instances at most
+#   heavy_day      a slow model (~57 ms a request, scripts/scenarios/repos/heavy) on the shift day's shape at
+#                  5-80 req/s, SLA 200 ms, 4 instances at most (not in the default set: its sweep takes 6 min)
 # SCENARIOS="shift bursty" runs a subset; MODEL_ANALYZER=FILE overrides docs/bench/model_analyzer_shift.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ run() {   # run NAME SLA_MS REPOSITORY MODEL INSTANCES DELAYS MAX_INSTANCES [ext
     echo "== $name: $scenario, SLA $sla ms, $model ($(date -u +%H:%M:%S))"
     if [ ! -f "$dir/sweep.json" ]; then
         "$PY" -m controller sweep --repository "$repo" --model "$model" --scenario "$scenario" --instances "$inst" \
-            --delays-us "$delays" --seconds 4 --sla-ms "$sla" --out "$dir"
+            --delays-us "$delays" --seconds "${SWEEP_SECONDS:-4}" --sla-ms "$sla" --out "$dir"
     else
         echo "   reusing $dir/sweep.json"
     fi
@@ -45,7 +47,8 @@ for s in $SCENARIOS; do
         shift_tight)   run shift_tight 25 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
         bursty)        run bursty 40 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
         delay_matters) run delay_matters 25 $FIXED sim_fixed 1,2,4 0,1000,4000 4 ;;
-        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters)" >&2; exit 2 ;;
+        heavy_day)     SWEEP_SECONDS=6 run heavy_day 200 scripts/scenarios/repos/heavy sim_heavy 1,2,3,4 0,20000 4 ;;
+        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day)" >&2; exit 2 ;;
     esac
 done
 summaries=()

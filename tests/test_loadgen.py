@@ -19,6 +19,48 @@ def constant(name: str, duration_s: float, rate_rps: float) -> dict:
     return {"name": name, "duration_s": duration_s, "rate_rps": rate_rps}
 
 
+# ------------------------------------------------------------------------------- shipped files
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIO_FILES = sorted((ROOT / "scripts" / "scenarios").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SCENARIO_FILES, ids=lambda p: p.stem)
+def test_every_shipped_scenario_loads(path):
+    """A scenario (or controller config) the README or bench_all.sh names must parse: a typo in one would surface only minutes
+    into a bench, after its sweep."""
+    import yaml
+    from controller.config import load_config
+    from controller.evaluation.bench_multi import is_multi_model_scenario, load_scenario
+    raw = yaml.safe_load(path.read_text())
+    if "controller" in raw or "defaults" in raw:       # a controller config shipped beside its repository
+        assert load_config(path).models
+    elif is_multi_model_scenario(path):
+        scenario = load_scenario(path)
+        assert len(scenario.models) == 2 and scenario.duration_s > 0
+    else:
+        trace = load_trace(path)
+        assert trace.duration_s > 0 and trace.phases
+
+
+def test_shipped_scenarios_are_found():
+    assert {"shift", "bursty", "delay_matters", "heavy_day", "two_models"} <= {p.stem for p in SCENARIO_FILES}
+
+
+LINKED_MODELS = sorted(p for p in (ROOT / "scripts" / "scenarios" / "repos").glob("*/*/1/model.py") if p.is_symlink())
+
+
+def test_the_profile_repositories_are_found():
+    assert {p.parents[1].name for p in LINKED_MODELS} >= {"sim_fixed", "sim_heavy"}
+
+
+@pytest.mark.parametrize("model_py", LINKED_MODELS, ids=lambda p: p.parents[1].name)
+def test_scenario_repositories_link_the_simulated_model(model_py):
+    """The profile repositories reuse model_repository/sim_accel/1/model.py through a relative link; a
+    moved file would leave a dangling link that Triton reports only as a failed load."""
+    assert model_py.resolve() == (ROOT / "model_repository" / "sim_accel" / "1" / "model.py").resolve()
+    assert model_py.exists()
+
+
 # --------------------------------------------------------------------------------------- traces
 def test_trace_phases_rates_and_lookup():
     trace = load_trace({"phases": [
