@@ -26,7 +26,7 @@ from controller.evaluation.bench import (
 )
 from controller.cli import main
 from controller.evaluation.loadgen import RequestRecord, load_trace
-from controller.evaluation.sweep import cell_from_records, rates_from_trace
+from controller.evaluation.sweep import cell_from_records, delay_effect, format_table, rates_from_trace
 from controller.sweep_schema import Cell, best_per_level, sweep_document
 from controller.types import Settings
 
@@ -112,6 +112,41 @@ def test_best_per_level_fewest_instances_meeting_sla():
     assert (best[150.0]["instance_count"], best[150.0]["met_sla"]) == (2, True)
     # Nothing meets the SLA at 400: the highest goodput, flagged.
     assert (best[400.0]["instance_count"], best[400.0]["met_sla"]) == (2, False)
+
+
+@pytest.mark.parametrize("cells, verdict, fewest_at_0, fewest_delayed, cut", [
+    # shift_tight's sweep at 390 req/s (SLA 40 here, scaled): 4 at 0 us miss, 6 meet; 4 at 2,000 us meet
+    ([cell(4, 0, 390, 300, p99=54.8), cell(6, 0, 390, 389, p99=32.2), cell(4, 2000, 390, 389, p99=42.6 * 0.9),
+      cell(6, 2000, 390, 389, p99=30.0)],
+     "saves", (6, 32.2), (4, 2000, 38.34), (4, 2000, 54.8, 38.34)),
+    # the queue batches by itself: one instance at 0 us holds it, the delay only adds latency
+    ([cell(1, 0, 400, 399, p99=19.4), cell(1, 4000, 400, 399, p99=24.0)], "none", (1, 19.4), (1, 4000, 24.0),
+     (1, 4000, 19.4, 24.0)),
+    # several instances on a fixed-cost device: the delay cuts their p99, yet one instance is fewer
+    ([cell(1, 0, 120, 120, p99=16.1), cell(4, 0, 120, 120, p99=24.9), cell(4, 4000, 120, 120, p99=17.1)],
+     "latency", (1, 16.1), (4, 4000, 17.1), (4, 4000, 24.9, 17.1)),
+    # a 9% cut is not a gain (the threshold is 10%)
+    ([cell(2, 0, 300, 300, p99=30.0), cell(2, 2000, 300, 300, p99=27.3)], "none", (2, 30.0), (2, 2000, 27.3),
+     (2, 2000, 30.0, 27.3)),
+    # nothing meets at 0 us; a delay does
+    ([cell(2, 0, 500, 300, p99=60.0), cell(2, 2000, 500, 480, p99=35.0)], "saves", None, (2, 2000, 35.0),
+     (2, 2000, 60.0, 35.0)),
+])
+def test_delay_effect_table(cells, verdict, fewest_at_0, fewest_delayed, cut):
+    (e,) = delay_effect(cells)
+    assert e["verdict"] == verdict
+    assert e["fewest_at_0"] == (pytest.approx(fewest_at_0) if fewest_at_0 else None)
+    assert e["fewest_delayed"] == pytest.approx(fewest_delayed)
+    assert e["cut"] == pytest.approx(cut)
+
+
+def test_delay_effect_skips_levels_without_both_and_the_table_says_it():
+    cells = [cell(1, 0, 100, 100), cell(2, 0, 100, 100),                   # no delayed cell: no verdict
+             cell(4, 0, 390, 300, p99=54.8), cell(6, 0, 390, 389, p99=32.2), cell(4, 2000, 390, 389, p99=38.3)]
+    assert [e["arrival_rps"] for e in delay_effect(cells)] == [390.0]
+    text = format_table(sweep_document("m", cells, sla_ms=40.0, seconds=4, warmup_s=1, seed=0))
+    assert "it saves instances at 1 of 1 load level(s)" in text
+    assert "4 inst at 2000 us meet the SLA (p99 38.3 ms) where 0 us takes 6 (p99 32.2 ms)" in text
 
 
 def test_cell_from_records_drops_warmup_and_counts_goodput():

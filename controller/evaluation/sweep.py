@@ -16,7 +16,8 @@ then the shorter delay; a level where nothing meets it reports the highest-goodp
 `met_sla: false`.
 
 Outputs: `sweep.json` (cells + best per level, its shape in controller/sweep_schema.py), `sweep.png` (throughput vs p99 per config) and a
-table. `controller.warm_start: sweep.json` turns the cells into perf points a controller can
+table, ending with where the batching delay pays (`delay_effect`: per level, does a delay save instances,
+only cut a p99, or neither). `controller.warm_start: sweep.json` turns the cells into perf points a controller can
 warm-start from.
 """
 from __future__ import annotations
@@ -182,6 +183,77 @@ def _ms(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:.1f}"
 
 
+DELAY_LATENCY_GAIN = 0.10         # a delay "cuts the p99" at a count when it lowers it by at least 10%
+
+
+def delay_effect(cells: Sequence[Cell], gain: float = DELAY_LATENCY_GAIN) -> list[dict]:
+    """What the sweep says about the batching delay, per load level measured both with and without one.
+
+    verdict "saves": some delay meets the SLA with fewer instances than any count without one (the delay
+    replaces instances); "latency": no instance saved, but at some count a delay lowers the p99 by at least
+    `gain` (it pays only under a tighter target, or where that count is forced); "none": neither.
+    `fewest_at_0` is (instances, p99) of the fewest instances meeting the SLA at 0 us (None: no count does),
+    `fewest_delayed` the same over the delays > 0, with the delay; `cut` the count and delay with the
+    largest relative p99 cut, as (instances, delay_us, p99 at 0 us, p99 with the delay).
+
+    Example (shift_tight's sweep, SLA 25 ms, 390 req/s): 4 instances at 0 us miss (p99 27.4 ms), 6 meet;
+    4 at 2,000 us meet (21.3 ms) -> "saves": the delay stands in for 2 instances. At 300 req/s 4 at 0 us
+    meet (18.0 ms) and no delayed cell meets with fewer -> "latency" or "none", from the cut.
+    """
+    out = []
+    for rate in sorted({c.arrival_rps for c in cells}):
+        level = [c for c in cells if c.arrival_rps == rate]
+        zero = {c.instance_count: c for c in level if c.max_queue_delay_us == 0}
+        delayed = [c for c in level if c.max_queue_delay_us > 0]
+        if not zero or not delayed:
+            continue
+        meet0 = [c for c in zero.values() if c.met_sla]
+        meetd = [c for c in delayed if c.met_sla]
+        f0 = min(meet0, key=lambda c: (c.instance_count, c.p99_ms or math.inf), default=None)
+        fd = min(meetd, key=lambda c: (c.instance_count, c.p99_ms or math.inf), default=None)
+        cuts = [(1 - c.p99_ms / zero[c.instance_count].p99_ms, c) for c in delayed
+                if c.instance_count in zero and c.p99_ms is not None and zero[c.instance_count].p99_ms
+                and c.failed == 0]
+        best_cut = max(cuts, key=lambda x: x[0], default=None)
+        if fd is not None and (f0 is None or fd.instance_count < f0.instance_count):
+            verdict = "saves"
+        elif best_cut is not None and best_cut[0] >= gain:
+            verdict = "latency"
+        else:
+            verdict = "none"
+        cut = None
+        if best_cut is not None:
+            c = best_cut[1]
+            cut = (c.instance_count, c.max_queue_delay_us, zero[c.instance_count].p99_ms, c.p99_ms)
+        out.append({"arrival_rps": rate, "verdict": verdict,
+                    "fewest_at_0": None if f0 is None else (f0.instance_count, f0.p99_ms),
+                    "fewest_delayed": None if fd is None else (fd.instance_count, fd.max_queue_delay_us, fd.p99_ms),
+                    "cut": cut})
+    return out
+
+
+def _delay_lines(effects: list[dict]) -> list[str]:
+    if not effects:
+        return []
+    saves = sum(e["verdict"] == "saves" for e in effects)
+    lines = [f"where the batching delay pays: it saves instances at {saves} of {len(effects)} load level(s)"]
+    for e in effects:
+        f0, fd, cut = e["fewest_at_0"], e["fewest_delayed"], e["cut"]
+        if e["verdict"] == "saves":
+            text = (f"saves instances: {fd[0]} inst at {fd[1]} us meet the SLA (p99 {_ms(fd[2])} ms) where 0 us "
+                    + (f"takes {f0[0]} (p99 {_ms(f0[1])} ms)" if f0 else "meets it at no count of the grid"))
+        elif f0 is None:
+            text = "nothing meets the SLA, with or without a delay"
+        else:
+            text = f"no instance saved: {f0[0]} inst at 0 us are the fewest meeting the SLA (p99 {_ms(f0[1])} ms)"
+            if cut and e["verdict"] == "latency":
+                text += f"; at {cut[0]} inst a {cut[1]}-us delay cuts p99 {_ms(cut[2])} -> {_ms(cut[3])} ms"
+            elif cut:
+                text += f"; no delay cuts the p99 by {DELAY_LATENCY_GAIN:.0%} at any count"
+        lines.append(f"  {e['arrival_rps']:>6g} req/s: {text}")
+    return lines
+
+
 def format_table(doc: dict) -> str:
     cells = cells_of(doc)
     lines = [f"{'inst':>4} {'delay_us':>8} {'rate':>6} {'offered':>8} {'done/s':>7} {'goodput':>8} "
@@ -194,6 +266,7 @@ def format_table(doc: dict) -> str:
     for b in doc["best_per_level"]:
         lines.append(f"  {b['arrival_rps']:>6g} req/s -> {b['instance_count']} inst, {b['max_queue_delay_us']} us "
                      f"(goodput {b['goodput_rps']:.1f}/s, p99 {_ms(b['p99_ms'])} ms){'' if b['met_sla'] else '  NONE MEETS THE SLA'}")
+    lines.extend(_delay_lines(delay_effect(cells)))
     return "\n".join(lines)
 
 
