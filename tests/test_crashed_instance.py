@@ -20,19 +20,34 @@ import tritonclient.grpc as grpcclient
 
 from controller.actuation import REPAIR_KEY, Actuator, TritonControl, settings_of
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller.gpu import SIM_MEMORY_METRIC
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.loop import Controller
+from controller.signals import Scraper
 from controller.types import Settings
 
 MODEL = "sim_accel"
 
 
 
-def _newest_stub(server) -> int:
-    """The pid of the newest `triton_python_backend_stub` child of tritonserver for the model: the newest instance."""
+def _stubs(server) -> list[int]:
+    """The pids of the live (not zombie) `triton_python_backend_stub` children of tritonserver for the model."""
     kids = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
-    stubs = [int(k) for k in kids if "triton_python_backend_stub" in open(f"/proc/{k}/cmdline").read()
-             and MODEL in open(f"/proc/{k}/cmdline").read()]
+    out = []
+    for k in kids:
+        try:
+            cmdline = open(f"/proc/{k}/cmdline").read()
+            state = open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "triton_python_backend_stub" in cmdline and MODEL in cmdline and state != "Z":
+            out.append(int(k))
+    return out
+
+
+def _newest_stub(server) -> int:
+    """The pid of the newest live stub of the model: the newest instance."""
+    stubs = _stubs(server)
     assert len(stubs) >= 2, stubs
     return max(stubs, key=lambda p: os.stat(f"/proc/{p}").st_ctime)
 
@@ -107,4 +122,17 @@ def test_a_killed_stub_is_held_as_a_fault_then_repaired_by_a_full_reload(sim_ser
         inp = grpcclient.InferInput("INPUT", [1, 16], "FP32")
         inp.set_data_from_numpy(x)
         client.infer(MODEL, [inp])
+    # the killed stub never ran finalize(): its memory series is zeroed by a live stub (its pid is gone), so the
+    # reading is what the live stubs hold. On 2.51 the old version's healthy stub outlives the repair (its
+    # unload waits on the dead instance): it still holds its memory and is counted.
+    scraper = Scraper(sim_server.metrics_url, sim_server.http_url)
+    deadline, memory, live_stubs = time.monotonic() + 10, None, []
+    while time.monotonic() < deadline:
+        memory = (scraper.metrics() or {})[MODEL].custom.get(SIM_MEMORY_METRIC)
+        live_stubs = _stubs(sim_server)
+        if memory == len(live_stubs) * 64 * 2**20:
+            break
+        time.sleep(0.3)
+    print(f"memory after the repair: {memory / 2**20:.0f} MiB, {len(live_stubs)} live stub(s)")
+    assert len(live_stubs) >= 2 and memory == len(live_stubs) * 64 * 2**20, (memory / 2**20, live_stubs)
     assert act.apply(MODEL, Settings(1, 0)).ok

@@ -75,6 +75,23 @@ class SimulatedDevice:
             os.close(fd)
 
 
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed stub the server has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -101,7 +118,11 @@ class TritonPythonModel:
         memory_bytes = int(float(_param(config, "instance_memory_mb", "64")) * 2**20)
         self.buffer = np.ones(memory_bytes // 8, dtype=np.float64)  # resident, like weights on a device
 
-        labels = {"model": args["model_name"], "instance": self.instance_name}
+        # why `stub`: Triton 2.51 names the instances an in-place update adds by their index in the new count,
+        # so 1 -> 3 can start a second live `<model>_0_1` beside the kept one; keyed by instance name alone the
+        # two would share one series and the device's memory would read one instance short (a shared memory
+        # budget was then overrun). One series per stub process; a full reload's new stubs get their own too.
+        labels = {"model": args["model_name"], "instance": self.instance_name, "stub": str(os.getpid())}
         self.fam_mem = pb_utils.MetricFamily("sim_device_memory_bytes", "SIMULATED device memory held by this instance", pb_utils.MetricFamily.GAUGE)
         self.fam_busy = pb_utils.MetricFamily("sim_device_busy_us_total", "SIMULATED device slot time used by this instance", pb_utils.MetricFamily.COUNTER)
         self.fam_exec = pb_utils.MetricFamily("model_executions_total", "Batches executed by this instance", pb_utils.MetricFamily.COUNTER)
@@ -115,11 +136,6 @@ class TritonPythonModel:
         self.m_us = self.fam_us.Metric(labels=labels)
         self.m_batch = self.fam_batch.Metric(labels=labels)
         self.m_mem.set(self.buffer.nbytes)
-        # why: a full reload starts new stubs with the same instance names, so the same metric series,
-        # before the old stubs' finalize(); the newest stub of a name owns its series (see finalize)
-        self.owner_file = os.path.join(self.device.dir, f"{self.instance_name}.owner")
-        with open(self.owner_file, "w") as f:
-            f.write(str(os.getpid()))
         self.m_gpu_mem = self.m_gpu_busy = None
         if self.sim_gpu is not None:
             k = self.sim_gpu
@@ -128,6 +144,35 @@ class TritonPythonModel:
             self.m_gpu_mem = self.fam_gpu_mem.Metric(labels=labels)
             self.m_gpu_busy = self.fam_gpu_busy.Metric(labels=labels)
             self.m_gpu_mem.set(self.buffer.nbytes)
+        # why: the server keeps a stub's series after the stub is gone; finalize() zeroes its memory, but a stub
+        # that crashed never ran it, so the stubs of this model that died are zeroed here (their pid files)
+        self.stubs_dir = os.path.join(self.device.dir, "stubs")
+        os.makedirs(self.stubs_dir, exist_ok=True)
+        self.model_name = args["model_name"]
+        self._release_dead_stubs(self.model_name)
+        self._released_at = time.monotonic()
+        self.stub_file = os.path.join(self.stubs_dir, f"{args['model_name']}.{os.getpid()}")
+        with open(self.stub_file, "w") as f:
+            json.dump({"instance": self.instance_name, "sim_gpu": self.sim_gpu}, f)
+
+    def _release_dead_stubs(self, model: str) -> None:
+        for name in os.listdir(self.stubs_dir):
+            stem, _, pid = name.rpartition(".")
+            if stem != model or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+                continue
+            path = os.path.join(self.stubs_dir, name)
+            try:
+                with open(path) as f:
+                    dead = json.load(f)
+                os.remove(path)
+                labels = {"model": model, "instance": str(dead["instance"]), "stub": pid}
+                k = dead.get("sim_gpu")
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            self.fam_mem.Metric(labels=labels).set(0)
+            if isinstance(k, int):
+                pb_utils.MetricFamily(f"sim_gpu{k}_memory_bytes", f"SIMULATED GPU {k}: memory held by this instance",
+                                      pb_utils.MetricFamily.GAUGE).Metric(labels=labels).set(0)
 
     def execute(self, requests):
         inputs, responses = [], [None] * len(requests)
@@ -140,6 +185,9 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError("INPUT contains NaN or Inf"))
             else:
                 inputs.append((i, x))
+        if time.monotonic() - self._released_at > 1.0:     # a stub killed since (never finalized): zero it
+            self._released_at = time.monotonic()
+            self._release_dead_stubs(self.model_name)
         if inputs:
             items = sum(len(x) for _, x in inputs)
             t0 = time.perf_counter()
@@ -163,16 +211,13 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
-        # The server keeps a removed instance's metric series: report its memory as released, unless a
-        # newer stub of the same name (a full reload) owns the series now: zeroing it would hide its memory.
+        # The server keeps a removed stub's metric series (its own: labelled by pid): report its memory released.
+        self.m_mem.set(0)
+        if self.m_gpu_mem is not None:
+            self.m_gpu_mem.set(0)
         try:
-            with open(self.owner_file) as f:
-                newest = f.read().strip() == str(os.getpid())
+            os.remove(self.stub_file)
         except OSError:
-            newest = True
-        if newest:
-            self.m_mem.set(0)
-            if self.m_gpu_mem is not None:
-                self.m_gpu_mem.set(0)
+            pass
         self.device.close()
         self.buffer = None
