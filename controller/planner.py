@@ -189,16 +189,19 @@ class Forecast:
 
     `update` takes one tick's rate; `band(h)` says where the rate will be `h` seconds on:
     mid = level + trend * (1 - phi^h) / (1 - phi) (the trend fades: phi = 0.8 per second, so no horizon
-    adds more than 5 s of it), plus or minus `z` times the spread of the recent one-tick-ahead errors.
+    adds more than 5 s of it), plus `z` times the spread of the recent one-tick-ahead errors above it, minus
+    `z` times their spread below it.
 
     * The trend is the least-squares slope of the last `TREND_TICKS` rates, used only when it rises, the
       line explains them (r^2 >= `TREND_R2`) and no single jump makes more than `STEP_SHARE` of the line's
       rise: a ramp, not a step. A Holt filter's trend rings after
       a step (it overshoots, then undershoots for many ticks); a falling trend is not used at all, since
       a scale-down waits for consolidation anyway.
-    * The spread is 1.4826 x the median absolute error of the last `ERRORS_KEPT` ticks (robust: one step
-      in the load is one large error, not a wide band for the next minute), and never less than the
-      Poisson noise of a tick's rate, sqrt(level / tick).
+    * The spreads are 1.4826 x the upper (above) and minus the lower (below) quartile of the last
+      `ERRORS_KEPT` errors (for symmetric noise both equal the standard deviation; robust: one step in the
+      load is one large error, not a wide band for the next minute), and never less than the Poisson noise
+      of a tick's rate, sqrt(level / tick). One-sided because a ramp's errors are: a falling load comes in
+      below the lagging level every tick, which says nothing about rates above it.
 
     The high end is never below the last measured rate (a step up is seen at once, not 3 ticks late), and
     never above the highest tick rate of the last `PEAK_S` seconds continued by the trend (that peak
@@ -212,9 +215,10 @@ class Forecast:
     Worked example (alpha 0.5, ticks 2 s apart): rates 100, 100, 120, 140, 160, 180. The level goes
     100, 100, 110, 125, 142.5, 161.25; the last five rates lie on a line of slope 10 req/s per s (r^2
     1.0), so a reload of 1 s plus a tick (h = 3) gives mid = 161.25 + 10 * 2.44 = 185.6. The errors
-    (each rate less the mid forecast for it) are 0, 20, 30, 22.4, 23.1: median 22.4 -> spread 33.2, so
-    mid + z x spread = 228.8 at z = 1.3; the peak 180 continued by the trend (+24.4) caps the high end at
-    204.4: band 142-204 req/s. A load alternating 30 /
+    (each rate less the mid forecast for it) are 0, 20, 30, 22.4, 23.1: upper quartile 23.1 -> spread above
+    34.2, so mid + z x spread = 230.1 at z = 1.3; the peak 180 continued by the trend (+24.4) caps the high
+    end at 204.4; lower quartile 20 > 0, so the spread below is the Poisson noise sqrt(161.25 / 2) = 9.0:
+    band 174-204 req/s. A load alternating 30 /
     250 req/s every 20 s: no trend (a step is not a line), the level within 5% of the new rate 4 ticks
     after each step, the high end at the new rate from the first tick, and the band at the end of a phase
     about the Poisson noise.
@@ -284,6 +288,22 @@ class Forecast:
             return self.poisson()
         return max(1.4826 * float(np.median(np.abs(self.errors))), self.poisson())
 
+    def spread_above(self) -> float:
+        """How far rates have come in above the forecast: 1.4826 x the errors' upper quartile (the standard
+        deviation, for symmetric noise), at least the Poisson noise. A falling ramp's errors are all below
+        the forecast (the level lags it): they do not widen the high end, which held a cold model's band at
+        ~4x its rate for 10 s after its load fell (two_models_tight: 0-113 req/s at 29), and so its instance
+        from the model that needed it."""
+        if not self.errors:
+            return self.poisson()
+        return max(1.4826 * float(np.percentile(self.errors, 75)), self.poisson())
+
+    def spread_below(self) -> float:
+        """The same below the forecast: 1.4826 x minus the errors' lower quartile, at least the Poisson noise."""
+        if not self.errors:
+            return self.poisson()
+        return max(-1.4826 * float(np.percentile(self.errors, 25)), self.poisson())
+
     def rates_since(self, since: float) -> list[float]:
         """The tick rates of the ticks after `since` (of the last PEAK_S seconds), oldest first."""
         return [r for t, r in self.peaks if t > since]
@@ -297,11 +317,10 @@ class Forecast:
         fade = (1 - self.PHI ** max(0.0, horizon_s)) / (1 - self.PHI)
         trend = self.trend
         mid = max(0.0, self.level + trend * fade)
-        sd = self.spread()
         last = self.recent[-1][1] if self.recent else 0.0
         peak = max((r for _, r in self.peaks), default=last)
         cap = peak + trend * fade
-        return max(0.0, mid - z * sd), mid, max(min(mid + z * sd, cap), last)
+        return max(0.0, mid - z * self.spread_below()), mid, max(min(mid + z * self.spread_above(), cap), last)
 
 
 # ---- service time of a configuration not yet measured ----------------------------------------------

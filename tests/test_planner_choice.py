@@ -52,11 +52,32 @@ def test_forecast_worked_example():
     assert f.errors == pytest.approx((0.0, 20.0, 30.0, 22.4, 23.1))
     low, mid, high = f.band(3.0)
     assert mid == pytest.approx(161.25 + 10.0 * (1 - 0.8 ** 3) / 0.2)
-    assert f.spread() == pytest.approx(1.4826 * 22.4)
-    assert low == pytest.approx(mid - 1.3 * f.spread())
-    # mid + 1.3 x spread (228.8) is capped by the peak (180) continued by the trend: 180 + 10 x 2.44
-    assert mid + 1.3 * f.spread() == pytest.approx(228.8, abs=0.1)
+    assert f.spread_above() == pytest.approx(1.4826 * 23.1)          # the errors' upper quartile
+    assert f.spread_below() == pytest.approx((161.25 / 2.0) ** 0.5)  # none below: the Poisson noise
+    assert low == pytest.approx(mid - 1.3 * f.spread_below()) == pytest.approx(174.0, abs=0.1)
+    # mid + 1.3 x spread above (230.1) is capped by the peak (180) continued by the trend: 180 + 10 x 2.44
+    assert mid + 1.3 * f.spread_above() == pytest.approx(230.1, abs=0.1)
     assert high == pytest.approx(180.0 + 10.0 * (1 - 0.8 ** 3) / 0.2) == pytest.approx(204.4, abs=0.1)
+
+
+def test_after_a_falling_ramp_the_high_end_comes_down_with_the_rate():
+    # two_models_tight's cold model: 330 req/s, a 15-s fall to 30, then 30 (1-s ticks, counting noise). The
+    # errors of the fall all lie below the lagging level; the symmetric spread kept the high end at 3-4x the
+    # rate for ~8 s after the fall (what held the model's spare instance from the hot one)
+    rng = np.random.default_rng(1)
+    f, highs, symmetric = Forecast.start(0.0, 330.0), {}, {}
+    for t in range(1, 80):
+        lam = 330.0 if t < 45 else (330.0 - 20.0 * (t - 45) if t < 60 else 30.0)
+        f = f.update(float(t), float(rng.poisson(lam)))
+        highs[t] = f.band(2.5)[2]
+        symmetric[t] = min(f.band(2.5)[1] + 1.3 * f.spread(), max(r for _, r in f.peaks))
+    assert all(highs[t] < 50.0 for t in range(62, 80)), {t: round(highs[t]) for t in range(60, 80)}
+    assert max(symmetric[t] for t in range(62, 66)) > 85.0                 # what it was
+    # a rising load still widens it: errors above the forecast
+    g = Forecast.start(0.0, 30.0)
+    for t in range(1, 8):
+        g = g.update(float(t), 30.0 + 40.0 * t)
+    assert g.spread_above() > 3 * g.poisson()
 
 
 def test_on_off_bursts_do_not_push_the_high_end_past_the_peaks_seen():
@@ -71,7 +92,7 @@ def test_on_off_bursts_do_not_push_the_high_end_past_the_peaks_seen():
         assert f.trend == 0.0                             # a burst's edge is a step, not a ramp
         assert high <= max(rates[-30:]) + 1e-9            # the high end stays at the peaks it has seen
         highs.append(high)
-        uncapped.append(mid + 1.3 * f.spread())
+        uncapped.append(mid + 1.3 * f.spread_above())
     assert min(highs[20:]) > 300.0          # ... and stays there between bursts: no consolidation in the lulls
     assert max(uncapped) > 480.0            # what the high end was before the cap: the swings' wide spread
 
