@@ -282,12 +282,6 @@ class Forecast:
         """The standard deviation of one tick's rate from counting noise alone, at the current level."""
         return math.sqrt(max(self.level, 1.0) / max(self.tick_s, 0.1))
 
-    def spread(self) -> float:
-        """The errors' robust standard deviation, at least the Poisson noise of one tick's rate."""
-        if not self.errors:
-            return self.poisson()
-        return max(1.4826 * float(np.median(np.abs(self.errors))), self.poisson())
-
     def spread_above(self) -> float:
         """How far rates have come in above the forecast: 1.4826 x the errors' upper quartile (the standard
         deviation, for symmetric noise), at least the Poisson noise. A falling ramp's errors are all below
