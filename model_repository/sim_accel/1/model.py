@@ -149,23 +149,23 @@ class TritonPythonModel:
         self.stubs_dir = os.path.join(self.device.dir, "stubs")
         os.makedirs(self.stubs_dir, exist_ok=True)
         self.model_name = args["model_name"]
-        self._release_dead_stubs(self.model_name)
+        self._release_dead_stubs()
         self._released_at = time.monotonic()
-        self.stub_file = os.path.join(self.stubs_dir, f"{args['model_name']}.{os.getpid()}")
+        self.stub_file = os.path.join(self.stubs_dir, f"{self.model_name}.{os.getpid()}")
         with open(self.stub_file, "w") as f:
             json.dump({"instance": self.instance_name, "sim_gpu": self.sim_gpu}, f)
 
-    def _release_dead_stubs(self, model: str) -> None:
+    def _release_dead_stubs(self) -> None:
         for name in os.listdir(self.stubs_dir):
             stem, _, pid = name.rpartition(".")
-            if stem != model or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            if stem != self.model_name or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
                 continue
             path = os.path.join(self.stubs_dir, name)
             try:
                 with open(path) as f:
                     dead = json.load(f)
                 os.remove(path)
-                labels = {"model": model, "instance": str(dead["instance"]), "stub": pid}
+                labels = {"model": self.model_name, "instance": str(dead["instance"]), "stub": pid}
                 k = dead.get("sim_gpu")
             except (OSError, ValueError, KeyError, TypeError):
                 continue
@@ -187,7 +187,7 @@ class TritonPythonModel:
                 inputs.append((i, x))
         if time.monotonic() - self._released_at > 1.0:     # a stub killed since (never finalized): zero it
             self._released_at = time.monotonic()
-            self._release_dead_stubs(self.model_name)
+            self._release_dead_stubs()
         if inputs:
             items = sum(len(x) for _, x in inputs)
             t0 = time.perf_counter()
