@@ -22,7 +22,7 @@ from conftest import ROOT
 
 from controller.evaluation.bench import (
     ARMS, bench_ratios, choose_best_static, choose_oracle, evaluate_targets, first_good_config_s,
-    instance_seconds, pick, predicted_goodput, predicted_phase_goodput, reaction_times, step_changes,
+    instance_seconds, oracle_pieces, pick, predicted_goodput, predicted_phase_goodput, reaction_times, step_changes,
 )
 from controller.cli import main
 from controller.evaluation.loadgen import RequestRecord, load_trace
@@ -84,6 +84,37 @@ def test_oracle_picks_per_phase():
     # Exact ties (2 and 4 instances both serve 100 at A) go to fewer instances even with no tolerance.
     strict = choose_oracle(WORKED_CELLS, WORKED_TRACE, tie_tolerance=0.0)
     assert [s for s, _ in strict] == [Settings(2, 0), Settings(4, 0)]
+
+
+def test_oracle_pieces_cut_ramps_only():
+    trace = load_trace({"phases": [{"name": "night", "duration_s": 25, "rate_rps": 40},
+                                   {"name": "morning", "duration_s": 35, "ramp": [40, 300]},
+                                   {"name": "spiky", "duration_s": 30, "rate_rps": 50,
+                                    "burst": {"every_s": 10, "length_s": 2, "rate_rps": 300}},
+                                   {"name": "short", "duration_s": 4, "ramp": [300, 100]}]})
+    pieces = oracle_pieces(trace, 5.0)
+    names = [p.name for p in pieces.phases]
+    assert names == ["night"] + [f"morning[{k}]" for k in range(7)] + ["spiky", "short"]
+    ramp = pieces.phases[1:8]
+    assert [p.start_s for p in ramp] == pytest.approx([25, 30, 35, 40, 45, 50, 55])
+    assert (ramp[0].from_rps, ramp[0].to_rps) == pytest.approx((40.0, 40 + 260 / 7))     # 40 -> 77.1
+    assert (ramp[-1].from_rps, ramp[-1].to_rps) == pytest.approx((300 - 260 / 7, 300.0))  # 262.9 -> 300
+    assert all(a.to_rps == pytest.approx(b.from_rps) and a.end_s == pytest.approx(b.start_s)
+               for a, b in zip(ramp, ramp[1:]))
+    assert pieces.duration_s == trace.duration_s
+    assert pieces.expected_requests() == pytest.approx(trace.expected_requests())
+
+
+def test_oracle_on_pieces_adds_the_instance_where_the_ramp_needs_it():
+    # one instance serves everything up to 200 req/s and half of 300; a ramp 100 -> 300 over 20 s needs the
+    # second instance from ~200 req/s (10 s in), not from its start
+    cells = [cell(1, 0, 100, 100.0), cell(1, 0, 200, 200.0), cell(1, 0, 300, 150.0, p99=90.0),
+             cell(2, 0, 100, 100.0), cell(2, 0, 200, 200.0), cell(2, 0, 300, 300.0)]
+    trace = load_trace({"phases": [{"name": "ramp", "duration_s": 20, "ramp": [100, 300]}]})
+    assert [s for s, _ in choose_oracle(cells, trace)] == [Settings(2, 0)]        # per phase: from 0 s
+    pieces = oracle_pieces(trace, 5.0)
+    plan = [(p.start_s, s.instance_count) for p, (s, _) in zip(pieces.phases, choose_oracle(cells, pieces))]
+    assert plan == [(0.0, 1), (5.0, 1), (10.0, 2), (15.0, 2)]
 
 
 def test_pick_prefers_shorter_delay_on_ties():

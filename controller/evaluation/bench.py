@@ -9,8 +9,10 @@ Arms:
                (each phase weighted by its duration; within 1% counts as a tie, and ties go to
                fewer instances, then the shorter delay).
   oracle       the best sweep config per phase (same rule), switched at each phase border by a
-               background thread through the Actuator. It knows the future phase boundaries: a
-               hindsight reference, not a deployable policy.
+               background thread through the Actuator; a ramp is first cut into pieces of at most
+               ORACLE_PIECE_S (`oracle_pieces`), so the oracle adds an instance where the ramp's rate
+               needs it, not at the ramp's start. It knows the future: a hindsight reference, not a
+               deployable policy.
   adaptive     the controller as a separate process (`python -m controller run`), starting from
                the default 1 instance / 0 us; its CPU is read from /proc/<pid>/stat.
   model_analyzer  (only with `--model-analyzer FILE`) Triton Model Analyzer's pick, found offline by
@@ -45,7 +47,7 @@ from ..sweep_schema import Cell, cells_of, load_sweep
 from ..types import Settings
 from .arm import REQUEST_TIMEOUT_S, ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
 from .arm import run_arm as run_shared_arm
-from .loadgen import Trace, load_trace, poisson_schedule, summarize
+from .loadgen import Phase, Trace, load_trace, poisson_schedule, summarize
 
 ARMS = ("default", "best_static", "oracle", "adaptive")
 MA_ARM = "model_analyzer"                  # the fifth arm, run only when a model_analyzer.json is given
@@ -53,6 +55,7 @@ DEFAULT_SETTINGS = Settings(1, 0)          # Triton's defaults for sim_accel: 1 
 TIE_TOLERANCE = 0.01                       # predicted goodput within 1% of the best is a tie
 PREDICTION_STEP_S = 0.5                    # sampling step of rate(t) inside a phase
 STEP_CHANGE_RATIO = 0.2                    # a phase border is a step if the rate jumps >= 20%
+ORACLE_PIECE_S = 5.0                       # the oracle's plan cuts ramps into pieces this long (at most)
 REACTION_WITHIN = 0.10                     # adaptive goodput within 10% of the oracle's ...
 REACTION_HOLD_BINS = 3                     # ... for 3 consecutive 1-s bins (or until the next step)
 SCHEDULE_MAX_REQUESTS = 2_000_000
@@ -133,6 +136,29 @@ def choose_best_static(cells: Sequence[Cell], trace: Trace, tie_tolerance: float
              for s, gs in per_phase.items()}
     best = pick(total, tie_tolerance)
     return best, total[best]
+
+
+def oracle_pieces(trace: Trace, piece_s: float = ORACLE_PIECE_S) -> Trace:
+    """`trace` with every ramp cut into equal pieces of at most `piece_s` (each piece a ramp between the
+    rates at its ends, named `<phase>[k]`); constant and bursty phases are kept whole.
+
+    Why: chosen per phase, the oracle provisions a ramp for its highest rate from its first second (shift's
+    morning ramp 40 -> 300 req/s got 2 instances at 25 s, where one holds the SLA up to ~250 req/s, ~50 s):
+    a "lag" behind that switch measured the oracle's over-provisioning, not a late controller. A burst is
+    not chased: 2-4-s bursts are shorter than a reload pays off. Example: a 35-s ramp 40 -> 300 becomes 7
+    pieces of 5 s, the first 40 -> 77.1, the last 262.9 -> 300.
+    """
+    out: list[Phase] = []
+    for p in trace.phases:
+        n = int(math.ceil(p.duration_s / piece_s - 1e-9))
+        if p.from_rps == p.to_rps or p.burst is not None or n <= 1:
+            out.append(p)
+            continue
+        edges = [p.start_s + k * p.duration_s / n for k in range(n + 1)]
+        rates = [float(r) for r in p.rates_at(np.array(edges[:-1] + [p.end_s - 1e-9]))]
+        rates[-1] = p.to_rps
+        out.extend(Phase(f"{p.name}[{k}]", edges[k], edges[k + 1], rates[k], rates[k + 1]) for k in range(n))
+    return Trace(tuple(out))
 
 
 def choose_oracle(cells: Sequence[Cell], trace: Trace, tie_tolerance: float = TIE_TOLERANCE
@@ -731,7 +757,8 @@ def bench(opts: BenchOptions) -> dict:
         _log(f"model_analyzer: {ma_pick.instance_count} inst, {ma_pick.max_queue_delay_us} us "
              f"(Model Analyzer's pick, {ma_doc['wall_s']:.0f} s offline)")
     best_static = choose_best_static(cells, trace) if cells else None
-    oracle = choose_oracle(cells, trace) if cells else None
+    pieces = oracle_pieces(trace)
+    oracle = choose_oracle(cells, pieces) if cells else None
     schedule = poisson_schedule(trace, opts.seed, SCHEDULE_MAX_REQUESTS)
     _log(f"scenario {opts.scenario}: {len(trace.phases)} phases, {trace.duration_s:g} s, {len(schedule)} requests "
          f"(seed {opts.seed}), SLA p99 <= {opts.sla_ms:g} ms")
@@ -740,7 +767,7 @@ def bench(opts: BenchOptions) -> dict:
              f"(predicted goodput {best_static[1]:.1f}/s)")
     if oracle:
         _log("oracle plan: " + ", ".join(f"{p.name}={s.instance_count}/{s.max_queue_delay_us}"
-                                         for p, (s, _) in zip(trace.phases, oracle)))
+                                         for p, (s, _) in zip(pieces.phases, oracle)))
     arms: dict[str, dict] = {}
     bins: dict[str, list[dict]] = {}
     arms_dir = opts.out / "arms"
@@ -751,7 +778,7 @@ def bench(opts: BenchOptions) -> dict:
         if arm == "best_static":
             run = run_arm(arm, trace, schedule, opts, best_static[0])
         elif arm == "oracle":
-            plan = [(p.start_s, s) for p, (s, _) in zip(trace.phases, oracle)]
+            plan = [(p.start_s, s) for p, (s, _) in zip(pieces.phases, oracle)]
             run = run_arm(arm, trace, schedule, opts, plan[0][1], oracle_plan=plan)
         elif arm == MA_ARM:
             run = run_arm(arm, trace, schedule, opts, ma_pick)
@@ -771,7 +798,7 @@ def bench(opts: BenchOptions) -> dict:
                "oracle_plan": None if not oracle else [
                    {"phase": p.name, "start_s": p.start_s, "instances": s.instance_count,
                     "delay_us": s.max_queue_delay_us, "predicted_goodput_rps": round(g, 2)}
-                   for p, (s, g) in zip(trace.phases, oracle)],
+                   for p, (s, g) in zip(pieces.phases, oracle)],
                **summarize_bench(arms, bins, trace, opts.sla_ms)}
     if ma_doc is not None:
         from .model_analyzer import summary_entry
