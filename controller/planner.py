@@ -794,9 +794,9 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         if overloaded:
             # why: where neither holds the load, both p99s are infinite and "10% lower" can never be true: a
             # model overloaded at 1 instance, with memory for a 2nd that would not hold the load either, held
-            # at 1 (seen on a slow machine: the two-models test's hot model never took the instance freed for
-            # it). There, what an instance buys is throughput: the rate each sustains (its queue stable, its
-            # device under DEVICE_LIMIT), and the best one must sustain clearly more.
+            # at 1 (two_models_tight r5: a 5-s hold on a rising ramp; the likely cause of a CI failure where the
+            # hot model never took the instance freed for it). There, what an instance buys is throughput: the
+            # rate each sustains (its queue stable, its device under DEVICE_LIMIT); the best must sustain more.
             best_rps, live_rps = sustained_rps(best_c.settings), sustained_rps(live)
             if best_rps is None or live_rps is None or best_rps * BEST_EFFORT_GAIN < live_rps:
                 return Plan(None, "HoldPredictedNoneMeets", f"no configuration holds the load; {_fmt_settings(best_c.settings)} "
