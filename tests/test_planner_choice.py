@@ -309,8 +309,8 @@ def test_nothing_meets_moves_to_the_best_predicted_within_the_ceiling():
 
 def test_nothing_holds_the_load_an_instance_that_sustains_more_is_still_added():
     # 1500-1650 req/s: one instance sustains ~590 req/s, two ~1180; neither holds the load, both p99s are
-    # infinite (the "10% lower" rule alone held the live one: a two-models test's hot model never took the
-    # instance freed for it), so what decides is the rate each sustains
+    # infinite (the "10% lower" rule alone held the live one: two_models_tight r5's 5-s hold), so what decides
+    # is the rate each sustains
     p = run(S(1), 1500.0, inputs(1, 2), ceiling=2, target=10.0, delay_allowed=False)
     assert not math.isfinite(p.live.p99_ms)
     assert p.reason == "ScaleUpBestEffort" and p.target == S(2, 0), (p.reason, p.detail)

@@ -155,8 +155,7 @@ def oracle_pieces(trace: Trace, piece_s: float = ORACLE_PIECE_S) -> Trace:
             out.append(p)
             continue
         edges = [p.start_s + k * p.duration_s / n for k in range(n + 1)]
-        rates = [float(r) for r in p.rates_at(np.array(edges[:-1] + [p.end_s - 1e-9]))]
-        rates[-1] = p.to_rps
+        rates = [p.from_rps + (p.to_rps - p.from_rps) * k / n for k in range(n + 1)]   # a ramp is linear
         out.extend(Phase(f"{p.name}[{k}]", edges[k], edges[k + 1], rates[k], rates[k + 1]) for k in range(n))
     return Trace(tuple(out))
 
