@@ -548,7 +548,8 @@ CONSOLIDATE_TICKS = 3        # ... on this many decisions in a row
 NO_GAIN = 1.05               # ... or when the instances it drops buy nothing: its p99 within 5% of the live one's
 CORRECTION_BOUNDS = (0.67, 1.5)  # observed/predicted p99 is applied within these bounds ...
 DISAGREE = 0.5               # ... and when its median is off by more than 50%, the model is not trusted
-RATIO_WINDOWS = 5            # recent windows the correction is the median of
+RATIO_WINDOWS = 3            # recent windows the correction is the median of: windows that do not overlap, so one
+                             # bad second (in every window that holds it) is one ratio of three, not the majority
 DELAY_MIN_GAIN = 0.9         # a longer delay is chosen over the shortest only if its p99 is predicted 10% lower
 BEST_EFFORT_GAIN = 0.9       # where nothing meets: a change only for a p99 predicted 10% lower (where neither
                              # holds the load: for a sustained rate 1/0.9 = 11% higher)
@@ -563,6 +564,7 @@ class PlannerState:
     """What the planner remembers between decisions (kept inside the policy's state)."""
 
     ratios: tuple[tuple[float, float], ...] = ()      # (time, observed / predicted p99) of recent windows
+    ratio_until: float | None = None                  # end of the last recorded window: the next must start after it
     by_config: tuple[tuple[Settings, float, float], ...] = ()   # (config, time, its ratio, EWMA): what it did when live
     smaller_ticks: int = 0                            # a smaller configuration met CONSOLIDATE_MARGIN this many decisions in a row
     smaller_best: Settings | None = None              # the largest of those smaller choices (the safe one)
@@ -574,22 +576,36 @@ CONFIG_RATIO_KEPT = 16           # ... for this many configurations
 
 
 def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99: float | None, source: str,
-                 samples: int, now: float, live: Settings | None = None) -> PlannerState:
+                 samples: int, now: float, live: Settings | None = None, since: float | None = None) -> PlannerState:
     """Keep observed/predicted p99 of a window whose p99 was traced on enough requests: in the recent
     windows (the correction of every prediction) and, per configuration, as what that configuration
-    did when it was live (the correction of its own predictions when it is a candidate again)."""
+    did when it was live (the correction of its own predictions when it is a candidate again).
+
+    `since`: where the window began (None: unknown, taken as new). A window that overlaps the last one
+    recorded is skipped: decisions come every tick, windows span many ticks, and a one-second stall would
+    otherwise sit in every window that holds it and count as most of the recent ratios. Example: 10-s
+    windows, 1-s ticks, ratios 1.0 at 60 s and 70 s, a 120-ms second at 84 s: the window ending at 80 s is
+    recorded (1.0), those ending at 81-89 s are skipped (they overlap it), the one ending at 90 s reads
+    2.5: the median of (1.0, 1.0, 2.5) is 1.0, the planner stays in charge. Were the model really 2.5x
+    off, the window ending at 100 s would read 2.5 too, and the median of the last three would say so.
+    What a configuration did when live moves by an EWMA of ratios clipped to `CORRECTION_BOUNDS`, so one
+    bad window moves it by at most 0.3 x (1.5 - its value)."""
     if (observed_p99 is None or predicted_p99 is None or source != "trace" or samples < MIN_RATIO_SAMPLES
             or predicted_p99 <= 0 or not math.isfinite(predicted_p99)):
+        return state
+    if since is not None and state.ratio_until is not None and since < state.ratio_until <= now:
         return state
     ratio = observed_p99 / predicted_p99
     kept = tuple(r for r in state.ratios if now - r[0] <= RATIO_MAX_AGE_S)
     by_config = state.by_config
     if live is not None:
         old = next((r for s, _, r in by_config if s == live), None)
-        mixed = ratio if old is None else 0.7 * old + 0.3 * ratio
+        clipped = min(max(ratio, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1])
+        mixed = clipped if old is None else 0.7 * old + 0.3 * clipped
         by_config = tuple(x for x in by_config if x[0] != live and now - x[1] <= CONFIG_RATIO_MAX_AGE_S)
         by_config = (by_config + ((live, now, mixed),))[-CONFIG_RATIO_KEPT:]
-    return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config)
+    return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config,
+                               ratio_until=now)
 
 
 def config_correction(state: PlannerState, settings: Settings, default: float, now: float) -> float:
@@ -608,7 +624,7 @@ def config_correction(state: PlannerState, settings: Settings, default: float, n
 def correction(state: PlannerState, now: float) -> tuple[float, float | None]:
     """(the factor applied to predictions, the raw median ratio or None without recent windows).
 
-    Example: recent ratios 1.1, 1.3, 0.9, 1.2, 1.25 -> median 1.2: every prediction is multiplied by
+    Example: recent ratios 1.1, 1.3, 1.2 -> median 1.2: every prediction is multiplied by
     1.2. Ratios 2.4, 2.0, 2.2 -> median 2.2, applied as 1.5 (the bound), and off by more than
     `DISAGREE`: the planner steps aside for the reactive rules."""
     recent = [r for t, r in state.ratios if now - t <= RATIO_MAX_AGE_S]

@@ -595,7 +595,7 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
     if n > ceiling or n < limits.min_instances:
         return None, state, None
     pstate = planner.record_ratio(state.plan, obs.p99_ms, obs.predicted_p99_ms, obs.p99_source, obs.p99_samples, now,
-                                  current)
+                                  current, since=obs.since)
     delay_allowed = (limits.max_delay_us > limits.min_delay_us
                      and now - state.last_delay_change_at >= limits.delay_cooldown_s
                      and full_reload_fits(current, limits, state, obs))
