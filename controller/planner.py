@@ -564,7 +564,6 @@ class PlannerState:
     """What the planner remembers between decisions (kept inside the policy's state)."""
 
     ratios: tuple[tuple[float, float], ...] = ()      # (time, observed / predicted p99) of recent windows
-    ratio_until: float | None = None                  # end of the last recorded window: the next must start after it
     by_config: tuple[tuple[Settings, float, float], ...] = ()   # (config, time, its ratio, EWMA): what it did when live
     smaller_ticks: int = 0                            # a smaller configuration met CONSOLIDATE_MARGIN this many decisions in a row
     smaller_best: Settings | None = None              # the largest of those smaller choices (the safe one)
@@ -593,7 +592,8 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
     if (observed_p99 is None or predicted_p99 is None or source != "trace" or samples < MIN_RATIO_SAMPLES
             or predicted_p99 <= 0 or not math.isfinite(predicted_p99)):
         return state
-    if since is not None and state.ratio_until is not None and since < state.ratio_until <= now:
+    last = state.ratios[-1][0] if state.ratios else None     # end of the last recorded window
+    if since is not None and last is not None and since < last <= now:
         return state
     ratio = observed_p99 / predicted_p99
     kept = tuple(r for r in state.ratios if now - r[0] <= RATIO_MAX_AGE_S)
@@ -604,8 +604,7 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
         mixed = clipped if old is None else 0.7 * old + 0.3 * clipped
         by_config = tuple(x for x in by_config if x[0] != live and now - x[1] <= CONFIG_RATIO_MAX_AGE_S)
         by_config = (by_config + ((live, now, mixed),))[-CONFIG_RATIO_KEPT:]
-    return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config,
-                               ratio_until=now)
+    return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config)
 
 
 def config_correction(state: PlannerState, settings: Settings, default: float, now: float) -> float:
