@@ -673,9 +673,10 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
 
     A smaller configuration qualifies when it is predicted under CONSOLIDATE_MARGIN x the target, or when
     the instances it drops buy nothing at this load: its p99, predicted with the live configuration's
-    correction, is within NO_GAIN of the live one's (and under MARGIN x the target). The second rule is for
-    targets close to the model's own latency: with a 9 ms target on a model whose lone request takes
-    7.5 ms, 0.8 x 9 = 7.2 ms is out of reach at any load, yet at 0 req/s a second instance is pure waste.
+    correction, is within NO_GAIN of the live one's (and under MARGIN x the target, unless nothing is). The
+    second rule is for targets close to the model's own latency: with a 9 ms target on a model whose lone
+    request takes 7.5 ms, 0.8 x 9 = 7.2 ms is out of reach at any load, yet at 0 req/s a second instance is
+    pure waste; with an 8 ms target not even 0.9 x 8 = 7.2 ms is, and the same holds.
     (A configuration's own remembered ratio is not used there: it was measured at another load, and at
     this one both configurations run the same lone requests.)
 
@@ -741,16 +742,33 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
                     return c
         return None
 
-    def buys_nothing(live_c: Candidate, below: int) -> Candidate | None:
+    def buys_nothing(live_c: Candidate, below: int, must_meet: bool = True) -> Candidate | None:
         """The fewest instances under `below` (the live delay) predicted, with the live correction, within
-        NO_GAIN of the live p99 and under the margin: the instances above it buy nothing at this load."""
+        NO_GAIN of the live p99 (and under the margin, if `must_meet`): the instances above it buy nothing
+        at this load."""
         if not math.isfinite(live_c.p99_ms):
             return None
         for n in range(min_instances, below):
             c = predict(Settings(n, live.max_queue_delay_us), hi, model, mb, factor, limit, device)
-            if c is not None and c.meets and c.p99_ms <= NO_GAIN * live_c.p99_ms:
+            if c is not None and (c.meets or not must_meet) and c.p99_ms <= NO_GAIN * live_c.p99_ms:
                 return c
         return None
+
+    def consolidate(chosen: Candidate, why: str) -> Plan:
+        """`chosen`, a smaller configuration, once it was found CONSOLIDATE_TICKS decisions in a row (the
+        largest of those found, the safe one); a pending hold before."""
+        spare = max(0, live.instance_count - max(chosen.settings.instance_count, min_instances))
+        ticks = state.smaller_ticks + 1
+        best = chosen.settings if state.smaller_best is None else max(
+            state.smaller_best, chosen.settings, key=lambda s: (s.instance_count, s.max_queue_delay_us))
+        st = dataclasses.replace(state, smaller_ticks=ticks, smaller_best=best)
+        if ticks < CONSOLIDATE_TICKS:
+            return Plan(None, "HoldConsolidationPending", f"{_fmt_settings(chosen.settings)} predicted "
+                        f"{chosen.p99_ms:.1f} ms, {why} ({ticks}/{CONSOLIDATE_TICKS}); {where}", usable=True,
+                        chosen=chosen, state=st, spare=spare, **common)
+        return Plan(best, change_reason(live, best, "Consolidated"), f"{_fmt_settings(best)} predicted {why} "
+                    f"{CONSOLIDATE_TICKS} times in a row; {where}", usable=True, chosen=at_hi(best) or chosen,
+                    state=keep, spare=spare, **common)
 
     def sustained_rps(s: Settings) -> float | None:
         """How much of the forecast's high end `s` is predicted to sustain at all (any latency: its queue
@@ -785,19 +803,15 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             and chosen.settings.max_queue_delay_us < live.max_queue_delay_us))
         if not smaller:
             return Plan(None, "HoldPredictedOk", where, usable=True, chosen=chosen, state=keep, **common)
-        spare = max(0, live.instance_count - max(chosen.settings.instance_count, min_instances))
-        why = "buys nothing" if chosen is free else f"under {CONSOLIDATE_MARGIN:g}x the target"
-        ticks = state.smaller_ticks + 1
-        best = chosen.settings if state.smaller_best is None else max(
-            state.smaller_best, chosen.settings, key=lambda s: (s.instance_count, s.max_queue_delay_us))
-        st = dataclasses.replace(state, smaller_ticks=ticks, smaller_best=best)
-        if ticks < CONSOLIDATE_TICKS:
-            return Plan(None, "HoldConsolidationPending", f"{_fmt_settings(chosen.settings)} predicted "
-                        f"{chosen.p99_ms:.1f} ms, {why} ({ticks}/{CONSOLIDATE_TICKS}); {where}", usable=True,
-                        chosen=chosen, state=st, spare=spare, **common)
-        return Plan(best, change_reason(live, best, "Consolidated"), f"{_fmt_settings(best)} predicted {why} "
-                    f"{CONSOLIDATE_TICKS} times in a row; {where}", usable=True, chosen=at_hi(best) or chosen,
-                    state=keep, spare=spare, **common)
+        return consolidate(chosen, "buys nothing" if chosen is free else f"under {CONSOLIDATE_MARGIN:g}x the target")
+    if chosen is None and live_c is not None:
+        # why: where nothing meets the target, instances that buy nothing still go. At 0 req/s under a target
+        # below 1/0.9 of the model's lone-request latency (or a correction that puts it there), every count runs
+        # the same lone requests and none is predicted under the margin: without this the planner held 4
+        # instances at 0 req/s for a minute in CI (HoldAtMax), where the reactive rule removes them.
+        free = buys_nothing(live_c, live.instance_count, must_meet=False)
+        if free is not None:
+            return consolidate(free, "buys nothing")
     if chosen is None:
         # nothing is predicted to meet the target: the configuration predicted best, if it beats the live one
         top = max(ceiling, min_instances)
