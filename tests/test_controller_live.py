@@ -82,7 +82,7 @@ def test_instances_rise_under_load_and_fall_after_with_no_failed_request(sim_ser
     failed = [r for r in results if not r.ok]
     assert results and not failed, failed[:3]
     assert peak >= 2, counts
-    assert controller.models[MODEL].current.instance_count == 1
+    assert controller.models[MODEL].current.instance_count == 1, [(round(r["t"], 1), r["action"], r["reason"], r.get("mode"), r.get("detail", "")[:160]) for r in _records(log_path)][-40:]
     assert act.read(MODEL)[1] == Settings(1, 0)
     applied = [r for r in _records(log_path) if r["action"] == "applied"]
     ups = [r for r in applied if r["reason"].startswith("ScaleUp")]

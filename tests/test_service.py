@@ -333,8 +333,10 @@ def test_live_sim_accel_service_curve_and_full_reload_restarts_the_counters():
         fit = times.fit(first)
         assert fit is not None and fit.beta_ms is not None and len(fit.batch_sizes) >= 3, times.summary(first)
         print("live fit", first, times.summary(first))
-        # config.pbtxt: (4 + 1.0 b) host + (2 + 0.5 b) device = 6 + 1.5 b ms; generous on 2 shared cores
-        assert 6.0 * 0.6 <= fit.alpha_ms <= 6.0 * 1.4, times.summary(first)
+        # config.pbtxt: (4 + 1.0 b) host + (2 + 0.5 b) device = 6 + 1.5 b ms, a floor (sleeps); the intercept
+        # also holds the Python backend's own cost per execution (stub IPC, tensors in and out), which grows on
+        # a loaded machine: a CI run on 2 shared cores measured 8.46 ms (r2 0.997), so up to 6 + 3 ms
+        assert 6.0 * 0.8 <= fit.alpha_ms <= 6.0 + 3.0, times.summary(first)
         assert 1.5 * 0.6 <= fit.beta_ms <= 1.5 * 1.4, times.summary(first)
         executions_first = times.executions(first)
 
