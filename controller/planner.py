@@ -574,6 +574,11 @@ CONFIG_RATIO_MAX_AGE_S = 900.0   # what a configuration did when live is remembe
 CONFIG_RATIO_KEPT = 16           # ... for this many configurations
 
 
+def bounded(ratio: float) -> float:
+    """An observed/predicted ratio within CORRECTION_BOUNDS: how far one ratio may move a prediction."""
+    return min(max(ratio, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1])
+
+
 def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99: float | None, source: str,
                  samples: int, now: float, live: Settings | None = None, since: float | None = None) -> PlannerState:
     """Keep observed/predicted p99 of a window whose p99 was traced on enough requests: in the recent
@@ -600,8 +605,7 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
     by_config = state.by_config
     if live is not None:
         old = next((r for s, _, r in by_config if s == live), None)
-        clipped = min(max(ratio, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1])
-        mixed = clipped if old is None else 0.7 * old + 0.3 * clipped
+        mixed = bounded(ratio) if old is None else 0.7 * old + 0.3 * bounded(ratio)
         by_config = tuple(x for x in by_config if x[0] != live and now - x[1] <= CONFIG_RATIO_MAX_AGE_S)
         by_config = (by_config + ((live, now, mixed),))[-CONFIG_RATIO_KEPT:]
     return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config)
@@ -616,7 +620,7 @@ def config_correction(state: PlannerState, settings: Settings, default: float, n
     when it is a candidate again, its prediction is multiplied by 1.3. Had it run at 0.9x: by 1.1."""
     for s, t, r in state.by_config:
         if s == settings and now - t <= CONFIG_RATIO_MAX_AGE_S:
-            return max(default, min(max(r, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1]))
+            return max(default, bounded(r))
     return default
 
 
@@ -630,7 +634,7 @@ def correction(state: PlannerState, now: float) -> tuple[float, float | None]:
     if not recent:
         return 1.0, None
     raw = float(np.median(recent))
-    return min(max(raw, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1]), raw
+    return bounded(raw), raw
 
 
 @dataclass(frozen=True)
