@@ -6,7 +6,7 @@ One `Controller` manages the models named in its config (or every READY model). 
 2. scrape `/metrics` and `/v2/models/stats` once, read the devices (NVML, the simulated device,
    or nothing), read new request traces; hand each model's share to its `ModelObserver`;
 3. per model: read the live config (a server restart or someone else's change is adopted, and the
-   policy then holds one full window), let the observer build its observation, `policy.decide`;
+   policy then only scales up for one full window), let the observer build its observation, `policy.decide`;
    then `arbiter.arbitrate` across models that share the device; log (JSONL, only changes and
    reason transitions) and count every decision; adapt the trace sampling to the arrival rate;
 4. a change (not `dry_run`) is handed to a worker thread: a tick never waits on a reload. One action
@@ -231,12 +231,12 @@ class Controller:
         adopted = None
         if not mm.reachable:
             # why: the server may have restarted (counters reset, instances fresh): nothing learned before
-            # the gap is trusted; hold one full window like at start
+            # the gap is trusted; a full window of warm-up (scale-ups only) like at start
             adopted = f"server answers again; live config {_fmt(live)}"
         elif mm.current is not None and live != mm.current:
             adopted = f"live config changed outside the controller ({_fmt(mm.current)} -> {_fmt(live)})"
         if adopted:
-            log.info("%s: %s; holding one window", mm.name, adopted)
+            log.info("%s: %s; one window of warm-up (scale-ups only)", mm.name, adopted)
             mm.state = policy.restarted_state(mm.state, now)
             mm.observer.mark_change(now)
         mm.current = live

@@ -131,8 +131,11 @@ def test_a_model_on_two_gpus_grows_on_the_idle_one():
     ctl._devices = lambda scraped: (GpuObservation(0, 97.0, None, None), GpuObservation(1, 20.0, None, None))
     sent, load = [], control.load
     control.load = lambda model, config=None: (sent.append(config), load(model, config))
-    run_ticks(ctl, clock, 6)
-    ctl.wait_for_pending()
+    for _ in range(6):                # until the first load (the pressure is seen 2-4 ticks in)
+        run_ticks(ctl, clock, 1)
+        ctl.wait_for_pending()
+        if control.loads:
+            break
     mm = ctl.models["g"]
     assert mm.limits.min_instances == 2                       # one per GPU the group names
     assert control.loads and control.loads[0][1] == Settings(3, 0)

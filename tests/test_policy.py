@@ -111,8 +111,14 @@ CASES = [
          reason="HoldNoData", target=S(2), valid=False),
     case("no-data-even-when-pressure-was-seen-before", o=Observation(valid=False, invalid_reason="no_samples"),
          current=S(3, 500), st_=state(low_since=NOW - 100), reason="HoldNoData", target=S(3, 500), valid=False),
-    case("warmup-10s-of-20s-window", o=obs(**PRESSURED), current=S(2), st_=PolicyState(started_at=NOW - 10.0),
-         reason="HoldWarmup", target=S(2)),
+    # the first window after a start: a scale-up on min_span_s of data, nothing else (see policy.warm_up)
+    case("warmup-10s-of-20s-window-pressure-scales-up", o=obs(since=NOW - 10.0, span_s=10.0, **PRESSURED),
+         current=S(2), st_=PolicyState(started_at=NOW - 10.0), reason="ScaleUpQueueGrowing", target=S(3)),
+    case("warmup-span-under-min-span", o=obs(since=NOW - 3.0, span_s=3.0, **PRESSURED), current=S(2),
+         st_=PolicyState(started_at=NOW - 3.0), reason="HoldWarmup", target=S(2)),
+    case("warmup-low-load-starts-no-streak", o=obs(since=NOW - 10.0, span_s=10.0, **LOW), current=S(4),
+         st_=PolicyState(started_at=NOW - 10.0), reason="HoldWarmup", target=S(4),
+         check=lambda s: s.low_since is None and s.perf == ()),
     case("warmup-over-exactly-at-window", o=obs(**PRESSURED), current=S(2), st_=PolicyState(started_at=NOW - 20.0),
          reason="ScaleUpQueueGrowing", target=S(3)),
     case("settling-data-older-than-change-plus-settle", o=obs(since=NOW - 4.0, span_s=4.0, **PRESSURED), current=S(2),
@@ -321,7 +327,7 @@ def test_decide_is_pure(o, current, st_, lim, mbs, reason, target, valid, check)
 def test_gate_holds_return_the_state_unchanged():
     st_ = state(low_since=NOW - 5.0, instance_memory_bytes=3.0 * MiB)
     for o, s in [(Observation(valid=False), dataclasses.replace(st_, low_since=None)),
-                 (obs(**PRESSURED), dataclasses.replace(st_, started_at=NOW - 1.0)),
+                 (obs(since=NOW - 1.0, span_s=1.0, **PRESSURED), dataclasses.replace(st_, started_at=NOW - 1.0)),
                  (obs(**PRESSURED), dataclasses.replace(st_, backoff_until=NOW + 1.0))]:
         decision, new_state = decide(o, S(2), s, LIMITS, LOOP, NOW)
         assert decision.reason.startswith("Hold")
