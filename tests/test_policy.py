@@ -612,6 +612,26 @@ def test_decisions_stay_in_bounds_and_are_pure(args):
         assert t.instance_count == current.instance_count - 1
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_inputs(), st.floats(0.0, 19.9), st.floats(0.0, 20.0))
+def test_in_the_warm_up_only_a_scale_up_changes_anything(args, age_s, span_s):
+    # any input, a controller started `age_s` ago (window 20 s) with `span_s` of data: the target is the live
+    # config or more instances at the same delay; where it holds, the state is the one it came with (a
+    # low-load streak, a consolidation count or a perf point never starts on a partial window)
+    o, current, s, lim, mbs = args
+    o = dataclasses.replace(o, since=NOW - span_s, span_s=span_s)
+    s = dataclasses.replace(s, started_at=NOW - age_s, low_since=None)
+    decision, new_state = decide(o, current, s, lim, LOOP, NOW, mbs)
+    t = decision.target
+    assert t == current or (t.instance_count > current.instance_count
+                            and t.max_queue_delay_us == current.max_queue_delay_us), decision
+    if decision.reason == "HoldWarmup":
+        assert t == current and new_state.low_since is None and new_state.perf == s.perf
+        assert new_state.plan == s.plan
+    if span_s < LOOP.min_span_s:
+        assert decision.reason in ("HoldWarmup", "HoldBackoff", "HoldNoData", "HoldFailures"), decision
+
+
 # =====================================================================================
 # 3. scenarios: a fake clock and a small simulated plant
 # =====================================================================================
