@@ -668,7 +668,12 @@ def warm_up(obs: Observation, decision: Decision, after: PolicyState, current: S
     if now - before.started_at >= loop.window_s or decision.reason in _GATES:
         return decision, after
     if decision.target.instance_count > current.instance_count:
-        return decision, after
+        # the instances now, at the live delay (an in-place change); a new delay waits for the full window
+        if decision.target.max_queue_delay_us == current.max_queue_delay_us:
+            return decision, after
+        return dataclasses.replace(decision, target=dataclasses.replace(
+            decision.target, max_queue_delay_us=current.max_queue_delay_us),
+            detail=f"{decision.detail}; at the live delay until a full window since start"), after
     return _hold(current, "HoldWarmup", f"{now - before.started_at:.1f}/{loop.window_s:g} s since start: "
                  f"only a scale-up before a full window"), track_faults(obs, before, loop, now)
 

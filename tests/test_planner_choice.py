@@ -457,6 +457,23 @@ def test_policy_holds_a_planned_scale_up_that_the_same_traffic_was_seen_to_meet(
     assert d.reason == "ScaleUpPredicted"
 
 
+@pytest.mark.parametrize("planned,expected,reason", [
+    pytest.param(S(2, 2000), S(2, 0), "ScaleUpPredicted", id="instances-and-delay:-the-instances-at-the-live-delay"),
+    pytest.param(S(3, 0), S(3, 0), "ScaleUpPredicted", id="instances-only:-as-planned"),
+    pytest.param(S(1, 2000), S(1, 0), "HoldWarmup", id="delay-only:-held"),
+])
+def test_in_the_warm_up_a_planned_change_keeps_only_its_instances(monkeypatch, planned, expected, reason):
+    # 5 s after the start (window 20 s, min span 4 s): a scale-up goes through at the live delay; a new
+    # delay (a full reload, paying only at a load the partial window may not show) waits for the full window
+    monkeypatch.setattr(planner, "choose", lambda *a, **k: planner.Plan(
+        planned, planner.change_reason(S(1), planned, "Predicted"), "planned", usable=True, state=PlannerState()))
+    lim = dataclasses.replace(LIMITS, p99_target_ms=25.0, delay_cooldown_s=0.0)
+    d, _ = decide(obs(300.0, since=NOW - 5.0, span_s=5.0), S(1), policy.PolicyState(started_at=NOW - 5.0), lim=lim)
+    assert (d.reason, d.target) == (reason, expected), d
+    d, _ = decide(obs(300.0), S(1), policy.PolicyState(started_at=NOW - 20.0), lim=lim)    # after the window
+    assert d.target == planned, d
+
+
 def test_planner_off_is_the_reactive_policy():
     o = obs(300.0, p99_ms=38.0, queue_ms_per_request=9.0, busy_fraction=0.95, pending_mean=4.0)
     d, _ = policy.decide(o, S(1), policy.PolicyState(started_at=0.0), LIMITS, LoopConfig(), NOW, 32, None)
