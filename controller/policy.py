@@ -643,46 +643,10 @@ def record_perf(state: PolicyState, obs: Observation, current: Settings, limits:
 
 def decide(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, loop: LoopConfig,
            now: float, max_batch_size: int = 0, plan_inputs: PlanInputs | None = None) -> tuple[Decision, PolicyState]:
-    """One decision for one model. Pure: same inputs, same answer. See `warm_up` for the first window."""
-    decision, after = _decide(obs, current, state, limits, loop, now, max_batch_size, plan_inputs)
-    return warm_up(obs, decision, after, current, state, loop, now)
+    """One decision for one model. Pure: same inputs, same answer.
 
-
-_GATES = frozenset({REPAIR, "HoldBackoff", "HoldNoData", "HoldFailures", "HoldWarmup", "HoldSettling"})
-
-
-def warm_up(obs: Observation, decision: Decision, after: PolicyState, current: Settings, before: PolicyState,
-            loop: LoopConfig, now: float) -> tuple[Decision, PolicyState]:
-    """In the first full window after a (re)start only a scale-up (or a gate: a repair, a hold for no data,
-    failures, settling) goes through; anything else is held (`HoldWarmup`) with the state as it was but for
-    the fault streak, so no low-load streak, consolidation count or ratio starts on a partial window.
-
-    Why: a controller started beside a server that is already overloaded waited a whole window (20 s by
-    default) before its first scale-up: in two_models_tight the hot model ran 10 s at one instance at 300
-    req/s, its p99 48 ms against a 25-ms target. After a reload the policy acts on `min_span_s` of data (the
-    settling gate), so the first scale-up does too; a scale-down or a delay change (a full reload, and a delay
-    that only pays at a load the partial window may not show) still waits for the full window.
-    Example (window 20 s, min span 4 s): started at t=0 under 300 req/s at 1 instance: the decisions at t=1-3
-    hold (`HoldWarmup`, too little data), at t=4 the pressure seen scales up. At 20 req/s with 4 instances
-    the scale-down waits until t=20, then `scale_down_delay_s` more, as before."""
-    if now - before.started_at >= loop.window_s or decision.reason in _GATES:
-        return decision, after
-    if decision.target.instance_count > current.instance_count:
-        # the instances now, at the live delay (an in-place change); a new delay waits for the full window
-        if decision.target.max_queue_delay_us == current.max_queue_delay_us:
-            return decision, after
-        return dataclasses.replace(decision, target=dataclasses.replace(
-            decision.target, max_queue_delay_us=current.max_queue_delay_us),
-            detail=f"{decision.detail}; at the live delay until a full window since start"), after
-    return _hold(current, "HoldWarmup", f"{now - before.started_at:.1f}/{loop.window_s:g} s since start: "
-                 f"only a scale-up before a full window"), track_faults(obs, before, loop, now)
-
-
-def _decide(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, loop: LoopConfig,
-            now: float, max_batch_size: int = 0, plan_inputs: PlanInputs | None = None) -> tuple[Decision, PolicyState]:
-    """One decision, warm-up aside. With `plan_inputs` (the planner on), instances and delay come from the
-    planner's model (`decide_by_model`), and the reactive stages 4-5 only run when it stands aside (mode
-    "fallback")."""
+    A repair or a gate first; then the stages (`_stages`), whose answer `warm_up` filters in the first window
+    after a (re)start."""
     state = track_faults(obs, state, loop, now)
     fix = repair(obs, current, state, limits, loop, now)
     if fix is not None:
@@ -692,6 +656,42 @@ def _decide(obs: Observation, current: Settings, state: PolicyState, limits: Mod
         if held.reason == "HoldNoData" and state.low_since is not None:
             state = dataclasses.replace(state, low_since=None)   # why: a gap breaks a low-load streak
         return held, state
+    decision, after = _stages(obs, current, state, limits, now, max_batch_size, plan_inputs)
+    return warm_up(decision, after, current, state, loop, now)
+
+
+def warm_up(decision: Decision, after: PolicyState, current: Settings, before: PolicyState, loop: LoopConfig,
+            now: float) -> tuple[Decision, PolicyState]:
+    """In the first full window after a (re)start only a scale-up goes through (the gates, before, still
+    hold for no data, failures or settling); anything else is held (`HoldWarmup`) with the state `before` the
+    stages, so no low-load streak, consolidation count or ratio starts on a partial window.
+
+    Why: a controller started beside a server that is already overloaded waited a whole window (20 s by
+    default) before its first scale-up: in two_models_tight the hot model ran 10 s at one instance at 300
+    req/s, its p99 48 ms against a 25-ms target. After a reload the policy acts on `min_span_s` of data (the
+    settling gate), so the first scale-up does too; a scale-down or a delay change (a full reload, and a delay
+    that only pays at a load the partial window may not show) still waits for the full window.
+    Example (window 20 s, min span 4 s): started at t=0 under 300 req/s at 1 instance: the decisions at t=1-3
+    hold (`HoldWarmup`, too little data), at t=4 the pressure seen scales up. At 20 req/s with 4 instances
+    the scale-down waits until t=20, then `scale_down_delay_s` more, as before."""
+    if now - before.started_at >= loop.window_s:
+        return decision, after
+    if decision.target.instance_count > current.instance_count:
+        # the instances now, at the live delay (an in-place change); a new delay waits for the full window
+        if decision.target.max_queue_delay_us == current.max_queue_delay_us:
+            return decision, after
+        return dataclasses.replace(decision, target=dataclasses.replace(
+            decision.target, max_queue_delay_us=current.max_queue_delay_us),
+            detail=f"{decision.detail}; at the live delay until a full window since start"), after
+    return _hold(current, "HoldWarmup", f"{now - before.started_at:.1f}/{loop.window_s:g} s since start: "
+                 f"only a scale-up before a full window"), before
+
+
+def _stages(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float,
+            max_batch_size: int, plan_inputs: PlanInputs | None) -> tuple[Decision, PolicyState]:
+    """The decision past the gates. With `plan_inputs` (the planner on), instances and delay come from the
+    planner's model (`decide_by_model`), and the reactive stages 4-5 only run when it stands aside (mode
+    "fallback")."""
     used = memory_in_use(obs)
     state = learn_instance_memory(state, used)
     state = record_perf(state, obs, current, limits, now)
