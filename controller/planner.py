@@ -605,7 +605,8 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
     by_config = state.by_config
     if live is not None:
         old = next((r for s, _, r in by_config if s == live), None)
-        mixed = bounded(ratio) if old is None else 0.7 * old + 0.3 * bounded(ratio)
+        clipped = bounded(ratio)
+        mixed = clipped if old is None else 0.7 * old + 0.3 * clipped
         by_config = tuple(x for x in by_config if x[0] != live and now - x[1] <= CONFIG_RATIO_MAX_AGE_S)
         by_config = (by_config + ((live, now, mixed),))[-CONFIG_RATIO_KEPT:]
     return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config)
@@ -811,8 +812,9 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     if chosen is None and live_c is not None:
         # why: where nothing meets the target, instances that buy nothing still go. At 0 req/s under a target
         # below 1/0.9 of the model's lone-request latency (or a correction that puts it there), every count runs
-        # the same lone requests and none is predicted under the margin: without this the planner held 4
-        # instances at 0 req/s for a minute in CI (HoldAtMax), where the reactive rule removes them.
+        # the same lone requests and none is predicted under the margin: without this the planner holds every
+        # instance at 0 req/s (HoldAtMax), where the reactive rule removes them (the likely cause of a CI run
+        # that kept 4 instances at 0 req/s for a minute).
         free = buys_nothing(live_c, live.instance_count, must_meet=False)
         if free is not None:
             return consolidate(free, "buys nothing")
