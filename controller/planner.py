@@ -534,7 +534,7 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
         # themselves (without any delay) until the device keeps up. Predicted as the wait that forms batches big
         # enough to keep the device DEVICE_SELF_BATCH busy: a measured host-heavy model at 2 x 0us held 300 req/s
         # (p99 43 ms, SLA 50) where the load at its small batches read "cannot hold", and the planner chose a
-        # needless 8-ms delay (a full reload) instead (README, "A host-heavy model").
+        # needless 8-ms delay (a full reload) instead (README, "A model the planner was not tuned on").
         need = device.batch_for(arrival_rps, DEVICE_SELF_BATCH, max_batch) \
             or device.batch_for(arrival_rps, DEVICE_LIMIT, max_batch)   # full batches, busier still
         if need is None:

@@ -43,14 +43,14 @@ def test_every_shipped_scenario_loads(path):
 
 
 def test_shipped_scenarios_are_found():
-    assert {"shift", "bursty", "delay_matters", "heavy_day", "two_models"} <= {p.stem for p in SCENARIO_FILES}
+    assert {"shift", "bursty", "delay_matters", "heavy_day", "host_heavy", "two_models"} <= {p.stem for p in SCENARIO_FILES}
 
 
 LINKED_MODELS = sorted(p for p in (ROOT / "scripts" / "scenarios" / "repos").glob("*/*/1/model.py") if p.is_symlink())
 
 
 def test_the_profile_repositories_are_found():
-    assert {p.parents[1].name for p in LINKED_MODELS} >= {"sim_fixed", "sim_heavy"}
+    assert {p.parents[1].name for p in LINKED_MODELS} >= {"sim_fixed", "sim_heavy", "sim_host"}
 
 
 @pytest.mark.parametrize("model_py", LINKED_MODELS, ids=lambda p: p.parents[1].name)
