@@ -604,7 +604,12 @@ MODEL = "sim_accel"
 
 
 def _client_p99_ms(records_) -> float:
-    return nearest_rank(sorted(r.latency_s * 1000 for r in records_ if r.ok), 0.99)
+    """The client's p99 round trip, from when each request was *sent*.
+
+    Not `latency_s` (from the scheduled time): on CI's 2 loaded cores the Python load generator can send
+    late (a client p99 of 354 ms against the server's 60 ms in one run), and the server cannot see that lag.
+    """
+    return nearest_rank(sorted((r.done_s - r.sent_s) * 1000 for r in records_ if r.ok), 0.99)
 
 
 @pytest.mark.slow
