@@ -46,6 +46,7 @@ LIGHT_BUSY = 0.3                 # light load: instances busy < 30% and no queue
 PERF_MEMORY = 200                # perf points kept
 SATURATION_MEMORY_S = 300.0      # a saturation mark (and a delay found too long) is trusted this long
 LEARNED_MAX_MEMORY_S = 600.0     # a count that failed to load is not retried for this long
+DRAIN_SHARE = 0.05               # completions >= 105% of arrivals: the queue is draining (a step that did help)
 REPAIR_MIN_FAILURES = 3          # a repair needs at least this many failed requests in the window (one is noise)
 REPAIR_MAX_WAIT_S = 3600.0       # the wait between repairs of a fault that persists doubles up to this
 REPAIR = "RepairFullReload"
@@ -386,11 +387,15 @@ def pressured(obs: Observation, limits: ModelLimits) -> bool:
 def review_step(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float) -> tuple[PolicyState, Decision | None]:
     """Judge an instance added last time, once, on fresh data.
 
-    It helped if throughput rose by `min_gain_pct`, p99 fell by `min_gain_pct`, or the pressure
-    went away. If it did none, mark the model saturated at the smaller count and step back.
+    It helped if throughput rose by `min_gain_pct`, p99 fell by `min_gain_pct`, the queue is
+    draining (completions >= (1 + DRAIN_SHARE) x arrivals), or the pressure went away. If it did
+    none, mark the model saturated at the smaller count and step back.
     Example: 3 -> 4 instances, completions 400 -> 410 req/s (+2.5% < 10%), p99 95 -> 95 ms,
     queue still building: saturated at 3, back to 3. But 1 -> 2 instances at 138 req/s
     (completions 130 -> 138, +6%) with p99 1969 -> 44 ms helped: demand, not capacity, capped the gain.
+    And 1 -> 2 instances, completions 150 -> 160 req/s (+6.7%) against 148 req/s arriving helped:
+    the window right after the step can be the backlog draining, with p99 still high from the requests
+    that queued before it (seen on CI's loaded cores, where the step was stepped back 2 s in).
     """
     step = state.last_step
     if step is None or step.reviewed or step.after != current:
@@ -402,7 +407,8 @@ def review_step(obs: Observation, current: Settings, state: PolicyState, limits:
     # why: below capacity throughput only follows demand; a step that cut p99 did relieve the queue
     relief = (step.p99_ms_before is not None and obs.p99_ms is not None
               and obs.p99_ms <= step.p99_ms_before * (1 - limits.min_gain_pct / 100))
-    if gain * 100 >= limits.min_gain_pct or relief or not pressured(obs, limits):
+    draining = obs.completion_rps >= (1 + DRAIN_SHARE) * obs.arrival_rps
+    if gain * 100 >= limits.min_gain_pct or relief or draining or not pressured(obs, limits):
         return state, None
     back = step.before.instance_count
     state = dataclasses.replace(state, saturated_at=back, saturated_until=now + SATURATION_MEMORY_S)

@@ -285,6 +285,16 @@ CASES = [
                                          **AFTER_STEP),
          current=S(4), st_=state(last_change_at=NOW - 10.0, last_step=STEP_3_TO_4), reason="ScaleUpQueueGrowing",
          target=S(5), check=lambda s: s.saturated_at is None),
+    # +7.5% throughput (< 10%), p99 no better, still queueing, but 430 req/s served against 400 arriving
+    # (>= 105%): the backlog is draining, so the 4th instance did help (not stepped back; the queue still
+    # reads pressured, so the reactive rules go on as after any step that helped). At 104% it would not count.
+    case("step-draining-the-backlog-kept", o=obs(**{**PRESSURED, "arrival_rps": 400.0, "completion_rps": 430.0, "p99_ms": 95.0},
+                                              **AFTER_STEP),
+         current=S(4), st_=state(last_change_at=NOW - 10.0, last_step=STEP_3_TO_4), reason="ScaleUpQueueGrowing",
+         target=S(5), check=lambda s: s.saturated_at is None and s.last_step.reviewed),
+    case("step-barely-above-arrivals-stepped-back",
+         o=obs(**{**PRESSURED, "arrival_rps": 400.0, "completion_rps": 415.0, "p99_ms": 95.0}, **AFTER_STEP),
+         current=S(4), st_=state(last_change_at=NOW - 10.0, last_step=STEP_3_TO_4), reason="ScaleDownNoGain", target=S(3)),
     case("step-already-reviewed-not-judged-again",
          o=obs(**{**PRESSURED, "arrival_rps": 450.0, "completion_rps": 410.0, "p99_ms": 95.0}, **AFTER_STEP),
          current=S(4), st_=state(last_change_at=NOW - 10.0, last_step=dataclasses.replace(STEP_3_TO_4, reviewed=True)),
