@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import secrets
 import socket
 import subprocess
 import sys
@@ -162,6 +163,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def remove_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> int:
+    """Remove the Python backend's shared-memory regions named `prefix`*, once their server is gone.
+    Returns how many were removed (0 where there is no /dev/shm)."""
+    removed = 0
+    for path in shm_dir.glob(f"{prefix}*") if prefix and shm_dir.is_dir() else ():
+        try:
+            path.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class TritonServer:
     """One tritonserver child process. Use as a context manager, or start()/stop()."""
 
@@ -171,6 +185,9 @@ class TritonServer:
         self._workdir: Path | None = None
         self.log_path: Path | None = None
         self.embedded = False
+        # why: a Python-backend stub killed while it shuts down leaves its /dev/shm region behind (about one
+        # per ten minutes of reloads here); a prefix of our own lets stop() remove exactly this server's
+        self.shm_prefix = f"tritonctl_{os.getpid()}_{secrets.token_hex(4)}_"
 
     @property
     def workdir(self) -> Path:
@@ -224,6 +241,8 @@ class TritonServer:
             k, v = o.restricted_key
             cmd.append(f"--http-restricted-api=model-repository:{k}={v}")
             cmd.append(f"--grpc-restricted-protocol=model-repository:{k}={v}")
+        if not any("shm-region-prefix-name" in a for a in o.extra_args):
+            cmd.append(f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}")
         cmd.extend(o.extra_args)
         return cmd
 
@@ -339,6 +358,7 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             pass
         self.process = None
+        remove_shm_regions(self.shm_prefix)
         if self._workdir is not None and not self.options.keep_workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
 

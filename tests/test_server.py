@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ import tritonclient.http as http
 import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on sys.path)
 from conftest import ROOT, start_server
 from controller.actuation import Actuator, TritonControl
-from controller.server import ServerError, TritonServer, find_tritonserver, free_port
+from controller.server import ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, remove_shm_regions
 from controller.types import Settings
 
 
@@ -238,6 +239,9 @@ def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
         assert server_pids
         stub_pids = _children_of(server_pids)
         assert stub_pids, "the Python backend runs one stub process per instance"
+        cmdline = Path(f"/proc/{server_pids[0]}/cmdline").read_bytes().decode().split("\0")
+        prefix = next(a.split("shm-region-prefix-name=", 1)[1] for a in cmdline if "shm-region-prefix-name=" in a)
+        assert list(Path("/dev/shm").glob(f"{prefix}*")), "the stubs' shared memory carries this server's prefix"
         proc.send_signal(2)  # Ctrl-C
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -248,6 +252,24 @@ def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
     left = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout.split()
     assert not left
     assert not [pid for pid in stub_pids if _alive(pid)]
+    assert not list(Path("/dev/shm").glob(f"{prefix}*")), "no shared-memory region outlives the server"
+
+
+def test_stop_removes_only_its_own_shm_regions(tmp_path):
+    for name in ("tritonctl_1_ab_x", "tritonctl_1_ab_y", "tritonctl_2_cd_x", "triton_python_backend_shm_region_z"):
+        (tmp_path / name).write_bytes(b"")
+    assert remove_shm_regions("tritonctl_1_ab_", tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["triton_python_backend_shm_region_z", "tritonctl_2_cd_x"]
+    assert remove_shm_regions("", tmp_path) == 0                    # an empty prefix never matches everything
+    assert remove_shm_regions("x_", tmp_path / "no_such_dir") == 0   # no /dev/shm: nothing to do
+
+
+def test_a_users_own_shm_prefix_is_kept():
+    ours = TritonServer(ServerOptions()).command(Path("tritonserver"), None)
+    assert sum("shm-region-prefix-name=tritonctl_" in a for a in ours) == 1
+    theirs = TritonServer(ServerOptions(extra_args=["--backend-config=python,shm-region-prefix-name=mine_"]))
+    cmd = theirs.command(Path("tritonserver"), None)
+    assert [a for a in cmd if "shm-region-prefix-name" in a] == ["--backend-config=python,shm-region-prefix-name=mine_"]
 
 
 def _alive(pid: str) -> bool:
