@@ -507,7 +507,7 @@ def decide_instances(obs: Observation, current: Settings, state: PolicyState, li
             target, reason = n + 1, "ScaleUpQueueGrowing"
         return state, InstanceOutcome(Decision(
             dataclasses.replace(current, instance_count=target), reason,
-            detail=f"p99 {_fmt(obs.p99_ms)} ms ({obs.p99_source}), queue {obs.queue_ms_per_request:.1f} ms, "
+            detail=f"{_p99(obs)}, queue {obs.queue_ms_per_request:.1f} ms, "
                    f"busy {obs.busy_fraction:.0%}, {obs.arrival_rps:.0f} req/s"))
     low, known = is_low(obs, current, limits), known_good_fewer(state, current, obs, limits)
     if low or known:
@@ -728,7 +728,7 @@ def _reactive_rest(obs: Observation, current: Settings, state: PolicyState, limi
             state = dataclasses.replace(state, delay_cap_us=delay.target.max_queue_delay_us,
                                         delay_cap_until=now + SATURATION_MEMORY_S)
         return delay, state
-    return Decision(current, outcome.hold_reason, detail=f"p99 {_fmt(obs.p99_ms)} ms ({obs.p99_source}), "
+    return Decision(current, outcome.hold_reason, detail=f"{_p99(obs)}, "
                                                         f"busy {obs.busy_fraction:.0%}",
                     held_by=outcome.held_by), state
 
@@ -761,5 +761,6 @@ def record_failed(state: PolicyState, decision: Decision, before: Settings, now:
                                learned_max_until=now + LEARNED_MAX_MEMORY_S, last_change_at=now)
 
 
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1f}"
+def _p99(obs: Observation) -> str:
+    """The window's p99 and where it came from, for a reason's detail: "p99 23.4 ms (trace)", or "no p99 yet"."""
+    return "no p99 yet" if obs.p99_ms is None else f"p99 {obs.p99_ms:.1f} ms ({obs.p99_source})"
