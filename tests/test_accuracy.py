@@ -1,0 +1,57 @@
+"""The model-accuracy report over observation logs (controller.evaluation.accuracy): pure, no server."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from controller.evaluation.accuracy import main, ratios, summarise
+
+
+def _tick(model="m", observed=20.0, predicted=20.0, source="trace", samples=200, **obs) -> str:
+    return json.dumps({"model": model, "obs": {"p99_ms": observed, "predicted_p99_ms": predicted,
+                                               "p99_source": source, "p99_samples": samples, **obs}})
+
+
+def test_the_docstring_example():
+    a = summarise([1.04, 0.95, 1.10, 1.40])
+    assert a.ticks == 4
+    assert a.median_ratio == pytest.approx(1.07)
+    assert a.median_error == pytest.approx(0.075)
+    assert a.p90_error == pytest.approx(0.31)
+    assert a.within == pytest.approx(0.75)
+    assert summarise([]) is None
+
+
+def test_only_traced_windows_with_enough_samples_and_a_prediction_count():
+    lines = [
+        _tick(observed=22.0, predicted=20.0),                      # counts: 1.10
+        _tick(observed=30.0, predicted=20.0, source="summary"),    # not a trace
+        _tick(observed=30.0, predicted=20.0, samples=99),          # too few traced requests
+        _tick(observed=30.0, predicted=None),                      # no prediction (warm-up, fallback without a curve)
+        _tick(observed=None, predicted=20.0),                      # no p99
+        _tick(observed=30.0, predicted=0.0),                       # nonsense prediction
+        json.dumps({"model": "m", "obs": {"valid": False, "why": "too_few_samples"}}),
+        _tick(model="other", observed=18.0, predicted=20.0),       # another model: its own row
+        "{not json",
+        "",
+    ]
+    per_model, bad = ratios(lines)
+    assert per_model == {"m": [pytest.approx(1.10)], "other": [pytest.approx(0.90)]}
+    assert bad == 1
+    assert ratios(lines, min_samples=50)[0]["m"] == [pytest.approx(1.10), pytest.approx(1.5)]
+
+
+def test_cli_prints_a_row_per_model_and_refuses_a_missing_log(tmp_path, capsys):
+    log = tmp_path / "adaptive_observations.jsonl"
+    log.write_text("\n".join([_tick(observed=21.0), _tick(observed=27.0), _tick(model="b", observed=19.0)]) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main([str(log), str(empty)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == f"| {log} | b | 1 | 0.95 | 0.05 | 0.05 | 100% |"
+    assert out[3] == f"| {log} | m | 2 | 1.20 | 0.20 | 0.32 | 50% |"
+    assert out[4] == f"| {empty} | - | 0 | - | - | - | - |"
+    assert main([str(tmp_path / "nope.jsonl")]) == 2
+    assert "no such observation log" in capsys.readouterr().err
+    assert main([str(log), "--min-samples", "0"]) == 2
