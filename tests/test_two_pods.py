@@ -78,7 +78,7 @@ def controller_config(server) -> ControllerConfig:
 @pytest.mark.timeout(300)
 def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in(tmp_path):
     repo = slow_repository(tmp_path)
-    servers = [start_server([MODEL], repository=repo) for _ in range(2)]
+    servers = [start_server([MODEL], repository=repo, log_path=str(tmp_path / f"pod{i}.log")) for i in range(2)]
     stop = threading.Event()
     controllers = [Controller(controller_config(s)) for s in servers]
     threads = [threading.Thread(target=c.run, args=(stop,), daemon=True) for c in controllers]
@@ -138,6 +138,9 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
         for c in controllers:
             c.close()
         exited = [s.process and s.process.poll() for s in servers]   # None: still running when the traffic ended
+        # the server's own last words where one exited (the log lives in tmp_path, past stop())
+        last_words = ["\n".join([f"pod {i}'s log, last lines:"] + (tmp_path / f"pod{i}.log").read_text(errors="replace").splitlines()[-20:])
+                      for i, s in enumerate(servers) if s.process and s.process.poll() is not None]
         for s in servers:
             s.stop()
 
@@ -163,7 +166,7 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
     # a string, printed whole: every sample of the low phase (None: no figure), and whether the servers lived
     low = "\n".join(f"{r['t']:.1f} {r['phase']} n={r['n']} u={r['u']} saturated={r['saturated']}"
                     for r in samples if r["phase"] in ("beyond", "low", "after"))
-    assert tail and all(hpa_desired(2, r["u"]) < 2 for r in tail), f"servers exited: {exited}\n{low}"
+    assert tail and all(hpa_desired(2, r["u"]) < 2 for r in tail), f"servers exited: {exited}\n{low}\n" + "\n".join(last_words)
     print("\n".join(map(str, summary)))    # with -s: the run, one line per half second
     served = sum(1 for rs in results for x in rs if x.ok)
     assert served > 0.5 * sum(len(rs) for rs in results)
