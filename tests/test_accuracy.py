@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from controller.decision_log import read_rotated
 from controller.evaluation.accuracy import main, ratios, summarise
 
 
@@ -23,7 +24,7 @@ def test_the_docstring_example():
     assert summarise([]) is None
 
 
-def test_only_traced_windows_with_enough_samples_and_a_prediction_count():
+def test_only_traced_windows_with_enough_samples_and_a_prediction_count(tmp_path):
     lines = [
         _tick(observed=22.0, predicted=20.0),                      # counts: 1.10
         _tick(observed=30.0, predicted=20.0, source="summary"),    # not a trace
@@ -33,13 +34,22 @@ def test_only_traced_windows_with_enough_samples_and_a_prediction_count():
         _tick(observed=30.0, predicted=0.0),                       # nonsense prediction
         json.dumps({"model": "m", "obs": {"valid": False, "why": "too_few_samples"}}),
         _tick(model="other", observed=18.0, predicted=20.0),       # another model: its own row
-        "{not json",
+        json.dumps({"model": "m", "obs": ["not", "an", "object"]}),
+        "{not json",                                               # torn: skipped by the reader
         "",
     ]
-    per_model, bad = ratios(lines)
+    log = tmp_path / "obs.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    per_model = ratios(read_rotated(log))
     assert per_model == {"m": [pytest.approx(1.10)], "other": [pytest.approx(0.90)]}
-    assert bad == 1
-    assert ratios(lines, min_samples=50)[0]["m"] == [pytest.approx(1.10), pytest.approx(1.5)]
+    assert ratios(read_rotated(log), min_samples=50)["m"] == [pytest.approx(1.10), pytest.approx(1.5)]
+
+
+def test_rotated_files_are_read_too(tmp_path):
+    log = tmp_path / "obs.jsonl"
+    log.write_text(_tick(observed=21.0) + "\n")
+    (tmp_path / "obs.jsonl.1").write_text(_tick(observed=27.0) + "\n")     # JsonLog's rotation: older records
+    assert ratios(read_rotated(log)) == {"m": [pytest.approx(1.35), pytest.approx(1.05)]}
 
 
 def test_cli_prints_a_row_per_model_and_refuses_a_missing_log(tmp_path, capsys):

@@ -140,7 +140,7 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
         exited = [s.process and s.process.poll() for s in servers]   # None: still running when the traffic ended
         # the server's own last words where one exited (the log lives in tmp_path, past stop())
         last_words = ["\n".join([f"pod {i}'s log, last lines:"] + (tmp_path / f"pod{i}.log").read_text(errors="replace").splitlines()[-20:])
-                      for i, s in enumerate(servers) if s.process and s.process.poll() is not None]
+                      for i, code in enumerate(exited) if code is not None]
         for s in servers:
             s.stop()
 

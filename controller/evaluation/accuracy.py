@@ -2,8 +2,9 @@
 
     python -m controller.evaluation.accuracy results/r13/shift/adaptive_observations.jsonl [more logs ...]
 
-Reads observation logs: the controller writes one where `loop.observation_log` is set in its config, and the
-bench's adaptive arm always does (`<out>/adaptive_observations.jsonl`). A tick counts where the window's p99
+Reads observation logs, with their rotated files (`<log>.1`, ...): the controller writes one where
+`loop.observation_log` is set in its config, and the bench's adaptive arm always does
+(`<out>/adaptive_observations.jsonl`). A torn line (the controller still writing) is skipped. A tick counts where the window's p99
 came from request traces over at least `--min-samples` requests and the planner predicted the live
 configuration at the measured arrival rate (`predicted_p99_ms`: the raw simulation, before the
 observed/predicted correction). Per log and model it prints the ticks counted, the median of observed /
@@ -17,7 +18,6 @@ is confirmed by a sweep, not here.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+from ..decision_log import read_rotated
 
 MIN_SAMPLES = 100     # a p99 from fewer traced requests is mostly its sample's noise
 WITHIN = 0.15
@@ -39,29 +41,20 @@ class Accuracy:
     within: float         # share of ticks with |ratio - 1| <= WITHIN
 
 
-def ratios(lines: Iterable[str], min_samples: int = MIN_SAMPLES) -> tuple[dict[str, list[float]], int]:
-    """observed / predicted p99 per model, from an observation log's lines; and how many lines were unreadable."""
+def ratios(records: Iterable[dict], min_samples: int = MIN_SAMPLES) -> dict[str, list[float]]:
+    """observed / predicted p99 per model, from an observation log's records (`decision_log.read_rotated`)."""
     out: dict[str, list[float]] = {}
-    bad = 0
-    for line in lines:
-        if not line.strip():
+    for row in records:
+        obs = row.get("obs")
+        if not isinstance(obs, dict) or obs.get("p99_source") != "trace":
             continue
-        try:
-            row = json.loads(line)
-            obs = row.get("obs") or {}
-            observed, predicted = obs.get("p99_ms"), obs.get("predicted_p99_ms")
-            model = str(row.get("model", "?"))
-        except (ValueError, AttributeError):
-            bad += 1
-            continue
-        if obs.get("p99_source") != "trace" or int(obs.get("p99_samples") or 0) < min_samples:
-            continue
-        if not (isinstance(observed, (int, float)) and isinstance(predicted, (int, float))):
+        observed, predicted, samples = obs.get("p99_ms"), obs.get("predicted_p99_ms"), obs.get("p99_samples")
+        if not all(isinstance(x, (int, float)) for x in (observed, predicted, samples)) or samples < min_samples:
             continue
         if not (math.isfinite(observed) and math.isfinite(predicted)) or observed <= 0 or predicted <= 0:
             continue
-        out.setdefault(model, []).append(observed / predicted)
-    return out, bad
+        out.setdefault(str(row.get("model", "?")), []).append(observed / predicted)
+    return out
 
 
 def summarise(values: list[float]) -> Accuracy | None:
@@ -77,9 +70,7 @@ def table(paths: list[Path], min_samples: int = MIN_SAMPLES) -> str:
     lines = [f"| log | model | ticks | median observed/predicted | median abs(ratio - 1) | p90 | within {WITHIN:.0%} |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            per_model, bad = ratios(f, min_samples)
-        name = str(path) + (f" ({bad} unreadable lines)" if bad else "")
+        per_model, name = ratios(read_rotated(path), min_samples), str(path)
         if not per_model:
             lines.append(f"| {name} | - | 0 | - | - | - | - |")
         for model, values in sorted(per_model.items()):
