@@ -14,14 +14,19 @@ Who donates, in order:
    ceiling will not hold, so the instance moves before its queue builds;
 2. failing that, a model of *lower priority* than the hot one even if it is busy: its SLA is given up
    for the higher-priority model's, and the reason says so: `RebalanceToHigherPriority`;
-3. failing that, with the planner's predicted capacities for both (`ModelView.capacity_rps`: req/s within
-   target at n-1, n, n+1 instances), a busy model of equal or lower priority whose instance buys clearly
-   less goodput than it would buy the hot model: `RebalanceForGoodput`. Goodput bought by an instance =
-   min(demand, capacity with it) - min(demand, capacity without it), demand = the upper band of the
-   model's forecast (else its arrival rate). "Clearly": gain >= GOODPUT_GAIN x loss + GOODPUT_MIN_RPS, so
-   the reverse move is never also worth it. Example: hot `a` at 2 instances, demand 400 req/s, capacity
-   300 at 2 and 390 at 3 (gain 90); busy `b` at 3, demand 150, capacity 170 at 3 and 140 at 2 (loss 10):
-   90 >= 1.5 x 10 + 5, so `b` gives one to `a`: 80 req/s more within target in all.
+3. failing that, with the planner's goodput for both (`ModelView.goodput`: req/s predicted within the target
+   at a demand, for n instances: `planner.goodput`), a busy model of equal or lower priority whose instance
+   buys clearly less goodput than it would buy the hot model: `RebalanceForGoodput`. Goodput bought by an
+   instance = goodput with it - goodput without it. The hot model's gain is weighed at the high end of its
+   forecast band, the donor's loss at the low end of its band (a scale-up on the upper band, a scale-down on
+   the lower, as for one model), and the move is made when gain >= GOODPUT_GAIN x loss + GOODPUT_MIN_RPS
+   *and*, at both forecasts' mid points, gain >= loss + GOODPUT_MIN_RPS: the second makes the reverse move
+   never also worth it (reversed, the gain and loss at the mid points swap), so two models whose bands
+   overlap do not trade an instance back and forth. Without a band: the arrival rate for all three.
+   Example: hot `a` at 2 instances, band 300-350-400 req/s, goodput 290 at 2 and 385 at 3 at 400 (gain 95),
+   280 at 2 and 345 at 3 at 350 (mid gain 65); `b` at 3 on a falling load, band 100-160-220 req/s, loses 0 at
+   100 (2 instances hold it), 40 at 160 and 80 at 220: 95 >= 1.5 x 0 + 5 and 65 >= 40 + 5, so `b` gives one
+   to `a`. Weighed at b's high end (95 < 1.5 x 80 + 5), the move would wait until b's load had fallen.
 Several hot models: the one of highest priority first; among equals, the one an instance buys the most
 goodput for (where capacities are known), then the one deepest into its target. A model never goes below
 its `min_instances`.
@@ -29,7 +34,7 @@ its `min_instances`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import ModelLimits
@@ -47,37 +52,51 @@ class ModelView:
     obs: Observation
     limits: ModelLimits
     instance_memory_bytes: float | None = None
-    capacity_rps: Mapping[int, float | None] | None = None   # planner.capacities at n-1, n, n+1 (for `current`)
+    goodput: Callable[[int, float], float | None] | None = None   # planner.goodput: (n, demand) -> req/s in target
 
 
 GOODPUT_GAIN = 1.5       # a busy donor gives only if the hot model's gain is this many times its loss ...
 GOODPUT_MIN_RPS = 5.0    # ... plus this many req/s
 
 
-def _demand(v: ModelView) -> float:
+LOW, MID, HIGH = 0, 1, 2    # the forecast band's ends (planner.Forecast.band)
+
+
+def _demand(v: ModelView, end: int = HIGH) -> float:
     band = (v.decision.plan or {}).get("band_rps")
-    return float(band[2]) if band else v.obs.arrival_rps
+    return float(band[end]) if band else v.obs.arrival_rps
 
 
-def _bought(v: ModelView, without: int, with_: int) -> float | None:
+def _bought(v: ModelView, without: int, with_: int, end: int) -> float | None:
     """Goodput (req/s within target) the instance between `without` and `with_` instances buys this model
-    at its demand; None where a capacity is unknown."""
-    caps = v.capacity_rps or {}
-    lo, hi = caps.get(without), caps.get(with_)
+    at the `end` of its forecast band; None where the planner cannot say."""
+    if v.goodput is None:
+        return None
+    d = _demand(v, end)
+    lo, hi = v.goodput(without, d), v.goodput(with_, d)
     if lo is None or hi is None:
         return None
-    d = _demand(v)
-    return max(0.0, min(d, hi) - min(d, lo))
+    return max(0.0, hi - lo)
 
 
-def _gain(v: ModelView) -> float | None:
+def _gain(v: ModelView, end: int = HIGH) -> float | None:
     n = v.current.instance_count
-    return _bought(v, n, n + 1)
+    return _bought(v, n, n + 1, end)
 
 
-def _loss(v: ModelView) -> float | None:
+def _loss(v: ModelView, end: int = LOW) -> float | None:
     n = v.current.instance_count
-    return _bought(v, n - 1, n)
+    return _bought(v, n - 1, n, end)
+
+
+def _worth(hot: ModelView, donor: ModelView, gain: float) -> float | None:
+    """The donor's loss (at the low end of its band) if its instance is clearly worth more to `hot`, else None."""
+    loss, gain_mid, loss_mid = _loss(donor), _gain(hot, MID), _loss(donor, MID)
+    if loss is None or gain_mid is None or loss_mid is None:
+        return None
+    if gain >= GOODPUT_GAIN * loss + GOODPUT_MIN_RPS and gain_mid >= loss_mid + GOODPUT_MIN_RPS:
+        return loss
+    return None
 
 
 def _pressure(v: ModelView) -> float:
@@ -138,12 +157,14 @@ def arbitrate(views: list[ModelView]) -> dict[str, Decision]:
         if gain is None:
             continue
         worth = [(loss, v) for v in donors if v.limits.priority <= h.limits.priority
-                 for loss in [_loss(v)] if loss is not None and gain >= GOODPUT_GAIN * loss + GOODPUT_MIN_RPS]
+                 for loss in [_worth(h, v, gain)] if loss is not None]
         if worth:
             loss, d = min(worth, key=lambda x: (x[0], x[1].limits.priority, x[1].name))
             return {d.name: _give(d, h, "RebalanceForGoodput",
                                   f"one instance buys {h.name} {gain:.0f} req/s within its target and costs "
-                                  f"{d.name} {loss:.0f} (predicted, at {_demand(h):.0f} and {_demand(d):.0f} req/s)")}
+                                  f"{d.name} {loss:.0f} (predicted, at {_demand(h):.0f} and {_demand(d, LOW):.0f} "
+                                  f"req/s; {_gain(h, MID):.0f} and {_loss(d, MID):.0f} at {_demand(h, MID):.0f} and "
+                                  f"{_demand(d, MID):.0f})")}
     return {}
 
 

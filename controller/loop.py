@@ -86,6 +86,7 @@ class ManagedModel:
     owner: Verdict | None = None                         # what that mark means for this controller
     predicted: dict | None = None                        # the planner's capacity of the live config and n +- 1 ...
     predicted_t: float = -1e18                           # ... computed then (every PREDICTED_EVERY_S)
+    plan_inputs: "planner.PlanInputs | None" = None      # the planner's inputs at this tick's decision (the arbiter's)
     kind: "modelkind.ModelKind | None" = None            # what the live config says the model is (modelkind.py)
     per_device: dict[str, int] = field(default_factory=dict)   # live instances per device (groups.py)
     target_from: "ensemble.StepTarget | None" = None    # set while an ensemble's target is passed to it
@@ -381,6 +382,7 @@ class Controller:
             return None
         inputs = (mm.observer.plan_inputs(mm.max_batch_size, self.config.loop.interval_s, self._device_fraction(mm, obs))
                   if self.config.loop.planner else None)
+        mm.plan_inputs = inputs
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size,
                                            inputs)
         self._update_capacity(mm, obs, decision, now)
@@ -432,20 +434,28 @@ class Controller:
             self.metrics.capacity_of(mm.name, mm.capacity)
         self.metrics.pod_capacity_of(capacity_mod.pod_utilization(mm.capacity for mm in self.models.values()))
 
-    @staticmethod
-    def _capacity_now(mm: ManagedModel) -> dict[int, float | None] | None:
-        """The planner's predicted capacities (req/s within target at n-1, n, n+1) if they were computed for the
-        live count (every PREDICTED_EVERY_S; after a change, none until the next computation)."""
-        p = mm.predicted or {}
-        n = mm.current.instance_count if mm.current is not None else None
-        return dict(p["capacity_rps"]) if n is not None and p.get("instances") == n and p.get("capacity_rps") else None
+    def _goodput_of(self, mm: ManagedModel, obs: Observation) -> Callable[[int, float], float | None] | None:
+        """The planner's goodput function for this tick (planner.goodput), built on the arbiter's first call; None
+        without the planner's inputs or a valid observation."""
+        inputs, current = mm.plan_inputs, mm.current
+        if inputs is None or current is None or not obs.valid:
+            return None
+        now, built = self.clock(), []
+
+        def at(n: int, demand_rps: float) -> float | None:
+            if not built:
+                built.append(planner.goodput(current, inputs, mm.state.plan, target_ms=mm.limits.p99_target_ms,
+                                             device_util=policy.device_utilisation(obs), exec_rps=obs.exec_rps,
+                                             avg_batch=obs.avg_batch_size, now=now))
+            return None if built[0] is None else built[0](n, demand_rps)
+        return at
 
     def _arbitrate(self, decided: dict[str, tuple[Decision, Observation]]) -> dict[str, tuple[Decision, Observation]]:
         """Let a model held by the shared memory budget take an instance from an idle or lower-priority one."""
         if len(decided) < 2:
             return decided
         views = [ModelView(name, self.models[name].current, d, o, self.models[name].limits,
-                           self.models[name].state.instance_memory_bytes, self._capacity_now(self.models[name]))
+                           self.models[name].state.instance_memory_bytes, self._goodput_of(self.models[name], o))
                  for name, (d, o) in decided.items() if self.models[name].current is not None]
         for name, override in arbitrate(views).items():
             decided[name] = (override, decided[name][1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from controller import policy
 from controller.arbiter import ModelView, arbitrate
@@ -158,15 +159,46 @@ def test_with_the_planner_the_donor_is_whoever_its_model_says_can_spare_one():
 
 # ---- goodput: where an instance buys the most -----------------------------------------------------------
 
-def gview(name, n, o, caps, reason="HoldSteady", priority=0, band_hi=None) -> ModelView:
+def capped(caps):
+    """A goodput function from capacities: min(demand, capacity with n instances); None for an unknown count."""
+    if caps is None:
+        return None
+    return lambda n, d: None if caps.get(n) is None else min(d, caps[n])
+
+
+def gview(name, n, o, caps, reason="HoldSteady", priority=0, band_hi=None, band=None, goodput=None) -> ModelView:
+    """A model with the planner's goodput (`caps` as capacities, or `goodput` itself) and forecast band (`band`:
+    low, mid, high; `band_hi` alone: the same demand at all three)."""
     v = view(name, n, o, reason, priority)
-    plan = {"band_rps": [0.0, 0.0, band_hi], "spare": 0} if band_hi is not None else None
+    if band is None and band_hi is not None:
+        band = (band_hi, band_hi, band_hi)
+    plan = {"band_rps": list(band), "spare": 0} if band is not None else None
     d = Decision(v.decision.target, v.decision.reason, held_by=v.decision.held_by, mode="model" if plan else "",
                  plan=plan)
-    return ModelView(name, v.current, d, o, v.limits, v.instance_memory_bytes, caps)
+    return ModelView(name, v.current, d, o, v.limits, v.instance_memory_bytes, goodput or capped(caps))
 
 
 def test_a_busy_donor_gives_where_an_instance_buys_clearly_more_goodput_docstring_example():
+    # the module docstring's numbers: a's gain 95 at the high end of its band, 65 at its mid; b, on a falling
+    # load, loses 0 at the low end of its band, 40 at its mid, 80 at its high end
+    table = {("a", 2, 400.0): 290.0, ("a", 3, 400.0): 385.0, ("a", 2, 350.0): 280.0, ("a", 3, 350.0): 345.0,
+             ("b", 2, 100.0): 100.0, ("b", 3, 100.0): 100.0, ("b", 2, 160.0): 120.0, ("b", 3, 160.0): 160.0,
+             ("b", 2, 220.0): 140.0, ("b", 3, 220.0): 220.0}
+    of = lambda m: (lambda n, d: table.get((m, n, d)))  # noqa: E731
+    a = gview("a", 2, HOT, None, "HoldMemoryCap", band=(300.0, 350.0, 400.0), goodput=of("a"))
+    b = gview("b", 3, BUSY, None, band=(100.0, 160.0, 220.0), goodput=of("b"))
+    out = arbitrate([a, b])
+    assert out["b"].reason == "RebalanceForGoodput" and out["b"].target == S(2)
+    assert "buys a 95 req/s" in out["b"].detail and "costs b 0" in out["b"].detail and "65 and 40" in out["b"].detail
+    # weighed at b's high end (its load not yet fallen): 95 < 1.5 x 80 + 5, no move
+    b_high = gview("b", 3, BUSY, None, band=(220.0, 220.0, 220.0), goodput=of("b"))
+    assert arbitrate([a, b_high]) == {}
+    # and where the mid points disagree (b's mid loss 65 - 5 < 65 + 5 needed), no move either
+    table[("b", 2, 160.0)] = 95.0
+    assert arbitrate([a, b]) == {}
+
+
+def test_the_earlier_capacity_example_still_moves():
     a = gview("a", 2, HOT, {1: 150.0, 2: 300.0, 3: 390.0}, "HoldMemoryCap", band_hi=400.0)
     b = gview("b", 3, BUSY, {2: 140.0, 3: 170.0, 4: 190.0}, band_hi=150.0)
     out = arbitrate([a, b])
@@ -202,13 +234,45 @@ def test_two_hot_models_the_one_an_instance_buys_more_for_takes_the_idle_donor()
     assert out["c"].reason == "RebalanceToHotModel" and "for b" in out["c"].detail
 
 
-def test_the_loop_hands_the_arbiter_capacities_only_for_the_live_count():
+@settings(max_examples=200, deadline=None)
+@given(ga=st.lists(st.floats(0, 500), min_size=9, max_size=9), gb=st.lists(st.floats(0, 500), min_size=9, max_size=9),
+       band_a=st.lists(st.floats(0, 500), min_size=3, max_size=3), band_b=st.lists(st.floats(0, 500), min_size=3, max_size=3))
+def test_property_a_move_and_its_reverse_are_never_both_worth_it(ga, gb, band_a, band_b):
+    # any goodputs (per count 1-3, at each point of the band) and any bands: if b gives a one, then at the same
+    # forecasts a (one more) would not give it back to b (one fewer)
+    def of(g, band):
+        table = {}
+        for n in (1, 2, 3):
+            for i, d in enumerate(band):
+                table.setdefault((n, d), g[(n - 1) * 3 + i])
+        return lambda n, d: table.get((n, d))
+    ba, bb = sorted(band_a), sorted(band_b)
+    a = gview("a", 2, HOT, None, "HoldMemoryCap", band=ba, goodput=of(ga, ba))
+    b = gview("b", 2, BUSY, None, band=bb, goodput=of(gb, bb))
+    if "b" not in arbitrate([a, b]):
+        return
+    a2 = gview("a", 3, BUSY, None, band=ba, goodput=of(ga, ba))
+    b2 = gview("b", 1, HOT, None, "HoldMemoryCap", band=bb, goodput=of(gb, bb))
+    assert "a" not in arbitrate([a2, b2])
+
+
+def test_the_loop_hands_the_arbiter_the_planners_goodput_for_the_live_config():
     from types import SimpleNamespace
 
     from controller.loop import Controller
-    caps = {1: 150.0, 2: 300.0, 3: 390.0}
-    mm = SimpleNamespace(current=S(2), predicted={"capacity_rps": caps, "mode": "model", "instances": 2})
-    assert Controller._capacity_now(mm) == caps
-    mm.current = S(3)                      # changed since they were computed (for 2): none until recomputed
-    assert Controller._capacity_now(mm) is None
-    assert Controller._capacity_now(SimpleNamespace(current=S(2), predicted=None)) is None
+    from controller.planner import Forecast, PlanInputs
+    from controller.service import fit_service
+    curve = fit_service({1: (200, 7.5), 2: (100, 9.0), 4: (60, 12.0), 8: (40, 18.0)})   # s(b) = 6 + 1.5 b
+    inputs = PlanInputs(fits=((S(1), curve),), forecast=Forecast.start(0.0, 100.0), max_batch=32, interval_s=1.0)
+    mm = SimpleNamespace(current=S(1), plan_inputs=inputs, state=policy.PolicyState(started_at=0.0),
+                         limits=ModelLimits(p99_target_ms=40.0))
+    ctl = SimpleNamespace(clock=lambda: 100.0)
+    live = obs(busy=0.5, arrival=100.0)
+    g = Controller._goodput_of(ctl, mm, live)
+    assert g(1, 50.0) == pytest.approx(50.0, rel=0.01) and g(1, 600.0) == 0.0 and g(2, 600.0) > 500.0
+    # no function without the planner's inputs or a valid observation, none from a curve for another count
+    assert Controller._goodput_of(ctl, SimpleNamespace(**{**vars(mm), "plan_inputs": None}), live) is None
+    assert Controller._goodput_of(ctl, mm, Observation(valid=False)) is None
+    assert Controller._goodput_of(ctl, SimpleNamespace(**{**vars(mm), "current": S(3)}), live)(3, 50.0) is None
+
+

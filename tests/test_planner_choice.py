@@ -340,6 +340,32 @@ def test_nothing_holds_the_load_and_the_device_is_the_limit_no_instance_is_added
 
 # ---- the fallback ----------------------------------------------------------------------------------
 
+def test_goodput_is_the_share_within_the_target_and_keeps_falling_past_the_capacity():
+    inp = inputs(1, 2)
+    g = planner.goodput(S(1), inp, PlannerState(), target_ms=40.0, device_util=None, exec_rps=100.0, avg_batch=1.5,
+                        now=100.0)
+    cap1 = planner.capacity_rps(S(1), ServiceModel.build(inp.fits, None), 32, 1.0, 40.0)   # ~370 req/s
+    assert g(1, 50.0) == pytest.approx(50.0, rel=0.01)                 # light load: (nearly) all within 40 ms
+    assert all(g(n, d) <= d for n in (1, 2, 3) for d in (50.0, 300.0, 450.0, 500.0, 600.0))
+    # past its capacity (p99 over 40 ms) one instance still serves most in time, then fewer the more it is
+    # offered, and none where its queue grows without end (full batches of 32 take 54 ms: ~590 req/s at most);
+    # min(demand, capacity) would have stayed at the capacity
+    assert 350.0 < cap1 < 400.0
+    assert g(1, 400.0) > cap1 and g(1, 450.0) > g(1, 500.0) > g(1, 600.0) == 0.0 and g(1, 500.0) < cap1
+    assert g(2, 600.0) == pytest.approx(600.0, rel=0.01)
+    # a model seen slower than predicted (correction 1.5) is worth less at the same load
+    slow = PlannerState()
+    for t in (60.0, 75.0, 90.0):
+        slow = record_ratio(slow, 30.0, 20.0, "trace", 500, t)
+    assert correction(slow, 100.0)[0] == pytest.approx(1.5)
+    g_slow = planner.goodput(S(1), inp, slow, target_ms=40.0, device_util=None, exec_rps=100.0, avg_batch=1.5, now=100.0)
+    assert g_slow(1, 300.0) < g(1, 300.0)
+    # nothing to say without a curve for the live count, or for a count, or a rate, that makes no sense
+    assert planner.goodput(S(4), inp, PlannerState(), target_ms=40.0, device_util=None, exec_rps=100.0, avg_batch=1.5,
+                           now=100.0) is None
+    assert g(0, 100.0) is None and g(1, math.nan) is None and g(1, 0.0) == 0.0
+
+
 def test_no_curve_for_the_live_count_falls_back():
     p = run(S(3), 100.0, inputs(1))
     assert not p.usable and "no service curve" in p.detail
