@@ -116,7 +116,7 @@ def test_instances_move_to_the_busy_model_within_the_budget(two_model_server, tm
     over = [(a, b, used / MiB) for _, a, b, used in seen if used > BUDGET_MB * MiB]
     assert not over, f"{over[:5]}\n{story}"                                    # ... and as the device reported it
     # the quiet model gives its instance: as idle (its planner says it spares one), or because the planner's
-    # capacities say it buys sim_b clearly more goodput than it costs sim_a (whichever the arbiter reaches first)
+    # goodput says it buys sim_b clearly more than it costs sim_a (whichever the arbiter reaches first)
     moves = [r for r in records if r["action"] == "applied" and r["reason"] in ("RebalanceToHotModel", "RebalanceForGoodput")]
     assert moves and all(r["model"] == "sim_a" for r in moves), story
     assert "for sim_b" in moves[0]["detail"] or "buys sim_b" in moves[0]["detail"], moves[0]["detail"]

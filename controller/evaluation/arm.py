@@ -193,8 +193,10 @@ def run_arm(spec: ArmSpec) -> ArmRun:
     from ..actuation import Actuator, TritonControl
     from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
 
+    # why: the server's own log outlives its work dir, so that an arm whose server failed says why
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            models=list(spec.models), repository=spec.repository or DEFAULT_REPOSITORY)
+                            models=list(spec.models), repository=spec.repository or DEFAULT_REPOSITORY,
+                            log_path=Path(spec.out).resolve() / f"{spec.name}_tritonserver.log")
     t_start = time.monotonic()
     with TritonServer(options) as server:
         server_start_s = time.monotonic() - t_start
