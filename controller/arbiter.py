@@ -28,7 +28,7 @@ Who donates, in order:
    100 (2 instances hold it), 40 at 160 and 80 at 220: 95 >= 1.5 x 0 + 5 and 65 >= 40 + 5, so `b` gives one
    to `a`. Weighed at b's high end (95 < 1.5 x 80 + 5), the move would wait until b's load had fallen.
 Several hot models: the one of highest priority first; among equals, the one an instance buys the most
-goodput for (where capacities are known), then the one deepest into its target. A model never goes below
+goodput for (where the planner can say), then the one deepest into its target. A model never goes below
 its `min_instances`.
 """
 from __future__ import annotations

@@ -952,7 +952,8 @@ def goodput(live: Settings, inputs: PlanInputs, state: PlannerState, *, target_m
     ~82% (shift_tight's sweep), where capacities of ~130 and ~220 req/s within target would credit the second
     instance with 90 req/s, not ~150. The same 90 is what that instance is "worth" to a model at 250 or 400
     req/s: compared so, two models over their capacities look alike and an instance stays with the one whose
-    load is falling (two_models_tight: each hand-over 8-10 s into the other's ramp)."""
+    load is falling. (Measured on two_models_tight, the hand-overs came no earlier with this: what binds there
+    is the hot model's forecast reaching one instance's capacity; README, "Runs 11-15".)"""
     model = ServiceModel.build(inputs.fits, device_util)
     if live.instance_count not in model.fits:
         return None
