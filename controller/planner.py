@@ -920,16 +920,27 @@ def change_reason(live: Settings, target: Settings, how: str) -> str:
     return what + how
 
 
+def _live_model(live: Settings, inputs: PlanInputs, state: PlannerState, device_util: float | None, exec_rps: float,
+                avg_batch: float, now: float) -> tuple[ServiceModel, float, DeviceShare | None] | None:
+    """The service model, the correction factor and the device share that predictions around the live
+    configuration use (as in `choose`); None without a measured curve for the live count."""
+    model = ServiceModel.build(inputs.fits, device_util)
+    if live.instance_count not in model.fits:
+        return None
+    factor, _ = correction(state, now)
+    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count], inputs.device_fraction)
+    return model, factor, device
+
+
 def capacities(live: Settings, inputs: PlanInputs, state: PlannerState, *, target_ms: float, min_instances: int,
                max_instances: int, device_util: float | None, exec_rps: float, avg_batch: float,
                now: float) -> dict[int, float | None]:
     """Predicted capacity (req/s within the target) of the live configuration and of one instance fewer and
     one more (same delay), corrected like the choice: what `status` shows. {} without a live curve."""
-    model = ServiceModel.build(inputs.fits, device_util)
-    if live.instance_count not in model.fits:
+    ctx = _live_model(live, inputs, state, device_util, exec_rps, avg_batch, now)
+    if ctx is None:
         return {}
-    factor, _ = correction(state, now)
-    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count], inputs.device_fraction)
+    model, factor, device = ctx
     out: dict[int, float | None] = {}
     for n in (live.instance_count - 1, live.instance_count, live.instance_count + 1):
         if min_instances <= n <= max_instances:
@@ -954,11 +965,10 @@ def goodput(live: Settings, inputs: PlanInputs, state: PlannerState, *, target_m
     req/s: compared so, two models over their capacities look alike and an instance stays with the one whose
     load is falling. (Measured on two_models_tight, the hand-overs came no earlier with this: what binds there
     is the hot model's forecast reaching one instance's capacity; README, "Runs 11-15".)"""
-    model = ServiceModel.build(inputs.fits, device_util)
-    if live.instance_count not in model.fits:
+    ctx = _live_model(live, inputs, state, device_util, exec_rps, avg_batch, now)
+    if ctx is None:
         return None
-    factor, _ = correction(state, now)
-    device = DeviceShare.at(device_util, exec_rps, avg_batch, model.fits[live.instance_count], inputs.device_fraction)
+    model, factor, device = ctx
     mb = max(1, inputs.max_batch)
     memo: dict[tuple[int, float], float | None] = {}    # the share within the target, per count and grid rate
 
