@@ -61,6 +61,9 @@ MIN_DAY_PHASES = 2
 MAX_DAY_PHASES = 1_000
 
 LIVE_CHECK_TIMEOUT_S = 10.0   # how long run_open_loop waits for the server to answer "live"
+# How long, after the last deadline, a run waits for the gRPC calls it stopped waiting for (at least): they
+# are left to finish, not cancelled (see `_Run.one`), and only those still out then are cancelled.
+ABANDONED_WAIT_S = 10.0
 
 ERROR_TIMEOUT = "timeout"
 ERROR_CLIENT_OVERLOADED = "client_overloaded"
@@ -478,39 +481,63 @@ class _Run:
     """State of one open-loop run: the clock origin, in-flight count and the records by index."""
 
     def __init__(self, client: Any, model: str, inputs: list[Any], schedule_s: np.ndarray,
-                 timeout_s: float, max_in_flight: int, headers: Mapping[str, str] | None):
+                 timeout_s: float, max_in_flight: int, headers: Mapping[str, str] | None,
+                 keep_late_calls: bool = False):
         self.client, self.model, self.inputs = client, model, inputs
         self.schedule_s, self.timeout_s, self.max_in_flight = schedule_s, timeout_s, max_in_flight
         self.headers = dict(headers) if headers else None
+        self.keep_late_calls = keep_late_calls
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
         self.in_flight = 0
         self.records: list[RequestRecord | None] = [None] * len(schedule_s)
         self.tasks: set[asyncio.Task] = set()
+        self.abandoned: set[asyncio.Future] = set()   # late calls left to finish (keep_late_calls)
+        self.cancelled_at_end = 0                       # ... of which still out when the run gave up on them
 
     def now_s(self) -> float:
         return self.loop.time() - self.t0
 
     async def one(self, index: int) -> None:
+        """Send request `index` and record its fate by its deadline.
+
+        With `keep_late_calls` (gRPC) a call past its deadline is recorded as a timeout but left to finish,
+        never cancelled: in tritonserver 2.51 (r24.10) a gRPC cancellation that races the response's
+        completion can crash the server (SIGSEGV in the gRPC frontend's infer handler; fixed upstream in
+        r24.12, triton-inference-server/server#7840). Reproduced here: a 30-ms client timeout at 250 req/s
+        on sim_accel killed the server within three minutes; the same load with late calls kept ran on.
+        """
         scheduled_s = float(self.schedule_s[index])
         sent_s = self.now_s()
+        call: asyncio.Future | None = None
         try:
             remaining_s = scheduled_s + self.timeout_s - sent_s
             if remaining_s <= 0.0:   # expired before it could go out: never sent
                 self.records[index] = RequestRecord(scheduled_s, None, None, False, ERROR_TIMEOUT)
                 return
-            await asyncio.wait_for(
-                self.client.infer(self.model, self.inputs, headers=self.headers), remaining_s)
+            call = asyncio.ensure_future(self.client.infer(self.model, self.inputs, headers=self.headers))
+            await asyncio.wait_for(asyncio.shield(call) if self.keep_late_calls else call, remaining_s)
             self.records[index] = RequestRecord(scheduled_s, sent_s, self.now_s(), True, None)
         except asyncio.TimeoutError:
             self.records[index] = RequestRecord(scheduled_s, sent_s, None, False, ERROR_TIMEOUT)
+            self.abandon(call)
         except asyncio.CancelledError:
             self.records[index] = RequestRecord(scheduled_s, sent_s, None, False, ERROR_TIMEOUT)
+            self.abandon(call)
             raise
         except Exception as exc:  # noqa: BLE001  (any failure is a failed request, with its text)
             self.records[index] = RequestRecord(scheduled_s, sent_s, self.now_s(), False, _error_text(exc))
         finally:
             self.in_flight -= 1
+
+    def abandon(self, call: asyncio.Future | None) -> None:
+        """Keep a late call (its record is final) until it ends by itself; without keep_late_calls, the
+        wait_for that timed out has already cancelled it."""
+        if call is None or call.done() or not self.keep_late_calls:
+            return
+        self.abandoned.add(call)
+        # why the callback reads the result: an abandoned call's error is expected, not "never retrieved"
+        call.add_done_callback(lambda c: (self.abandoned.discard(c), c.cancelled() or c.exception()))
 
     def dispatch_due(self, index: int) -> int:
         """Send (or record as overloaded) every request due by now, starting at `index`."""
@@ -549,6 +576,13 @@ class _Run:
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=1.0)
+        if self.abandoned:   # late calls the server is still working through: let it answer them
+            _, left = await asyncio.wait(set(self.abandoned), timeout=max(self.timeout_s, ABANDONED_WAIT_S))
+            self.cancelled_at_end = len(left)
+            for call in left:
+                call.cancel()
+            if left:
+                await asyncio.wait(left, timeout=1.0)
 
 
 async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.ndarray,
@@ -559,8 +593,12 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
 
     - Each request goes out at its scheduled offset from the run start whether or not earlier ones
       have finished; latency is measured from the scheduled time.
-    - A request not answered within `timeout_s` of its scheduled time fails with "timeout"; the
-      run therefore ends at most `timeout_s` (plus ~1 s of cleanup) after the last scheduled offset.
+    - A request not answered within `timeout_s` of its scheduled time fails with "timeout". Over gRPC
+      its call is left to finish, not cancelled (a cancellation racing the answer can crash
+      tritonserver 2.51: `_Run.one`); the run waits up to max(`timeout_s`, ABANDONED_WAIT_S) after the
+      last deadline for such calls, then cancels what is left. Over HTTP a late call is cut off at its
+      deadline (its connection closes; the server does not cancel HTTP requests). So a run ends at most
+      `timeout_s` (HTTP) or `timeout_s` + max(`timeout_s`, 10 s) (gRPC), plus ~1 s, after the last offset.
     - When `max_in_flight` requests are outstanding, a due request is recorded as failed with
       "client_overloaded" instead of being sent (never dropped from the records).
     - `make_inputs()` is called once; the same tensors go with every request.
@@ -577,7 +615,8 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
     try:
         inputs = _infer_inputs(module, make_inputs())
         await _check_live(client, target, LIVE_CHECK_TIMEOUT_S)   # also opens the connection before t0
-        return await _Run(client, model, inputs, offsets_s, timeout_s, max_in_flight, headers).drive()
+        return await _Run(client, model, inputs, offsets_s, timeout_s, max_in_flight, headers,
+                          keep_late_calls=protocol == "grpc").drive()
     finally:
         await client.close()
 
