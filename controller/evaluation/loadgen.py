@@ -567,15 +567,15 @@ class _Run:
                 for i, r in enumerate(self.records)]
 
     async def drain(self) -> None:
-        """Wait for stragglers (each already bounded by its own deadline), then cancel any left."""
-        if not self.tasks:
-            return
-        last_deadline_s = float(self.schedule_s[-1]) + self.timeout_s
-        _, pending = await asyncio.wait(set(self.tasks), timeout=max(0.0, last_deadline_s - self.now_s()) + 1.0)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=1.0)
+        """Wait for stragglers (each already bounded by its own deadline), then cancel any left; then for the
+        late calls left to finish (bounded by max(timeout_s, ABANDONED_WAIT_S)), cancelling only those still out."""
+        if self.tasks:
+            last_deadline_s = float(self.schedule_s[-1]) + self.timeout_s
+            _, pending = await asyncio.wait(set(self.tasks), timeout=max(0.0, last_deadline_s - self.now_s()) + 1.0)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
         if self.abandoned:   # late calls the server is still working through: let it answer them
             _, left = await asyncio.wait(set(self.abandoned), timeout=max(self.timeout_s, ABANDONED_WAIT_S))
             self.cancelled_at_end = len(left)
@@ -600,7 +600,8 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
       deadline (its connection closes; the server does not cancel HTTP requests). So a run ends at most
       `timeout_s` (HTTP) or `timeout_s` + max(`timeout_s`, 10 s) (gRPC), plus ~1 s, after the last offset.
     - When `max_in_flight` requests are outstanding, a due request is recorded as failed with
-      "client_overloaded" instead of being sent (never dropped from the records).
+      "client_overloaded" instead of being sent (never dropped from the records). A call past its
+      deadline no longer counts as outstanding, even while it is left to finish.
     - `make_inputs()` is called once; the same tensors go with every request.
     - Only loopback targets are accepted (ValueError otherwise). Raises ConnectionError if the
       server is not live before the run starts.
