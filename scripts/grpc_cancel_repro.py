@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from controller.evaluation import loadgen  # noqa: E402
-from controller.server import ServerOptions, TritonServer, free_port  # noqa: E402
+from controller.server import ServerError, ServerOptions, TritonServer, free_port  # noqa: E402
 
 MODEL = "sim_accel"
 ROUND_S = 30.0
@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--arms: a comma-separated list of cancel and keep")
     if args.seconds <= 0 or args.rate <= 0 or args.timeout_ms <= 0:
         p.error("--seconds, --rate and --timeout-ms must be > 0")
-    up = {a: arm(a, args.seconds, args.rate, args.timeout_ms / 1e3) for a in arms}
+    try:
+        up = {a: arm(a, args.seconds, args.rate, args.timeout_ms / 1e3) for a in arms}
+    except (ServerError, ConnectionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print("summary: " + ", ".join(f"{a}: server {'up' if ok else 'died'}" for a, ok in up.items()))
     return 0 if up.get("keep", True) else 1
 
