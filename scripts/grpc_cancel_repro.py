@@ -18,7 +18,6 @@ and a short run may not show it. Exit status 0 when the `keep` arm's server stay
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
@@ -32,18 +31,6 @@ MODEL = "sim_accel"
 ROUND_S = 30.0
 
 
-async def one_round(url: str, schedule, make_inputs, timeout_s: float, keep: bool) -> list:
-    import tritonclient.grpc.aio as grpcaio
-
-    client = grpcaio.InferenceServerClient(url=url)
-    try:
-        inputs = loadgen._infer_inputs(grpcaio, make_inputs())
-        run = loadgen._Run(client, MODEL, inputs, schedule, timeout_s, 1024, None, keep_late_calls=keep)
-        return await run.drive()
-    finally:
-        await client.close()
-
-
 def arm(mode: str, seconds: float, rate: float, timeout_s: float) -> bool:
     """Runs one arm; True when its server was still up at the end."""
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), models=[MODEL])
@@ -55,7 +42,8 @@ def arm(mode: str, seconds: float, rate: float, timeout_s: float) -> bool:
         for i in range(rounds):
             trace = loadgen.load_trace({"phases": [{"name": "load", "duration_s": ROUND_S, "rate_rps": rate}]})
             schedule = loadgen.poisson_schedule(trace, seed=i, max_requests=10**7)
-            records = asyncio.run(one_round(server.grpc_url, schedule, make_inputs, timeout_s, mode == "keep"))
+            records = loadgen.run_open_loop_sync(server.grpc_url, MODEL, schedule, make_inputs, timeout_s=timeout_s,
+                                                 keep_late_calls=mode == "keep")
             late_now = sum(1 for r in records if r.error == loadgen.ERROR_TIMEOUT and r.sent_s is not None)
             late += late_now
             code = server.process.poll()

@@ -588,7 +588,7 @@ class _Run:
 async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.ndarray,
                         make_inputs: InputFactory, *, protocol: str = "grpc", timeout_s: float = 10.0,
                         max_in_flight: int = 1024, headers: Mapping[str, str] | None = None,
-                        ) -> list[RequestRecord]:
+                        keep_late_calls: bool | None = None) -> list[RequestRecord]:
     """Send one request per schedule offset, open loop, and return one record per offset (in order).
 
     - Each request goes out at its scheduled offset from the run start whether or not earlier ones
@@ -602,6 +602,8 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
     - When `max_in_flight` requests are outstanding, a due request is recorded as failed with
       "client_overloaded" instead of being sent (never dropped from the records). A call past its
       deadline no longer counts as outstanding, even while it is left to finish.
+    - `keep_late_calls` (default: True over gRPC, False over HTTP) says whether a late call is left to
+      finish; False over gRPC only to reproduce the crash (`scripts/grpc_cancel_repro.py`).
     - `make_inputs()` is called once; the same tensors go with every request.
     - Only loopback targets are accepted (ValueError otherwise). Raises ConnectionError if the
       server is not live before the run starts.
@@ -616,8 +618,9 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
     try:
         inputs = _infer_inputs(module, make_inputs())
         await _check_live(client, target, LIVE_CHECK_TIMEOUT_S)   # also opens the connection before t0
+        keep = protocol == "grpc" if keep_late_calls is None else keep_late_calls
         return await _Run(client, model, inputs, offsets_s, timeout_s, max_in_flight, headers,
-                          keep_late_calls=protocol == "grpc").drive()
+                          keep_late_calls=keep).drive()
     finally:
         await client.close()
 
