@@ -45,6 +45,17 @@ def _scaled_in(samples: list[dict]) -> bool:
     return len(tail) == 4 and all(hpa_desired(2, r["u"]) < 2 for r in tail)
 
 
+# deploy/k8s/hpa.yaml scales up on the lowest recommendation of its last 30 s (stabilizationWindowSeconds), so a
+# momentary reading adds no pod; this test's phases are ~10x shorter than real ones, so its window is too
+STABILIZE_S = 2.0
+
+
+def stabilized(rows: list[dict], i: int) -> int:
+    """The HPA's scale-up recommendation at sample i: the lowest desired count over the last STABILIZE_S."""
+    t = rows[i]["t"]
+    return min(hpa_desired(2, r["u"]) for r in rows[:i + 1] if r["t"] > t - STABILIZE_S)
+
+
 def hpa_desired(replicas: int, values: list[float], target: float = TARGET, tolerance: float = 0.1) -> int:
     """The HPA's rule for a Pods metric: ratio = average / target; within 10% of 1: keep; else ceil(n x ratio)."""
     ratio = sum(values) / len(values) / target
@@ -94,7 +105,7 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
 
     def sample():
         while not stop.wait(0.5):
-            row = {"t": time.monotonic() - t0[0], "u": [], "n": [], "ceiling": [], "saturated": []}
+            row = {"t": time.monotonic() - t0[0], "u": [], "n": [], "ceiling": [], "saturated": [], "p": []}
             for c in controllers:
                 mm = c.models.get(MODEL)
                 u = c.metrics.registry.get_sample_value("triton_autotune_pod_capacity_utilization")
@@ -102,6 +113,7 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
                 row["n"].append(None if mm is None or mm.current is None else mm.current.instance_count)
                 row["ceiling"].append(None if mm is None or mm.capacity is None else mm.capacity.ceiling)
                 row["saturated"].append(c.metrics.registry.get_sample_value("triton_autotune_saturated", {"model": MODEL}))
+                row["p"].append(c.metrics.registry.get_sample_value("triton_autotune_p99_over_target", {"model": MODEL}))
             row["phase"] = phase_at(row["t"])
             samples.append(row)
 
@@ -155,11 +167,15 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
     # the pods did take the load in-pod first: both reached their second instance while 80 req/s arrived
     assert any(r["phase"] == "headroom" and r["n"] == [2, 2] for r in known), summary
     # ... and at the ceiling with load the pods can serve (the last 8 s of that phase), no scale-out either
-    settled = [r for r in known if r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0]
-    assert settled and all(hpa_desired(2, r["u"]) <= 2 for r in settled), summary
+    # (a single reading over 0.88 on average is a p99 excursion on a loaded machine: p99/target is the load
+    # fraction at the ceiling; the HPA's scale-up window, above, is what keeps such a reading from adding a pod)
+    settled = [i for i, r in enumerate(known) if r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0]
+    rows = lambda idx: "\n".join(f"{known[i]['t']:.1f} n={known[i]['n']} u={known[i]['u']} p99/target={known[i]['p']}"
+                                 for i in idx)  # noqa: E731
+    assert settled and all(stabilized(known, i) <= 2 for i in settled), rows(settled)
     # 2. scale-out once both pods are at their limit
-    out = [r for r in known if r["phase"] == "beyond" and r["n"] == [2, 2] and r["saturated"] == [1.0, 1.0]
-           and hpa_desired(2, r["u"]) > 2]
+    out = [r for i, r in enumerate(known) if r["phase"] == "beyond" and r["n"] == [2, 2]
+           and r["saturated"] == [1.0, 1.0] and stabilized(known, i) > 2]
     assert out, summary
     # 3. scale-in when the load falls back (the last seconds of the low phase)
     tail = _low_tail(known)
@@ -209,3 +225,12 @@ def test_readiness_holds_through_reloads():
         server.stop()
     assert kinds == ["in_place", "full_reload", "full_reload"]
     assert polls[0] > 50 and not failed, (polls[0], len(failed))
+
+
+def test_the_emulated_hpa_ignores_one_high_reading_and_follows_a_sustained_one():
+    rows = [{"t": 0.5 * k, "u": [0.55, 0.55]} for k in range(10)]
+    rows[5]["u"] = [0.95, 0.95]                                  # one reading: 3 pods wanted for half a second
+    assert hpa_desired(2, rows[5]["u"]) == 3 and max(stabilized(rows, i) for i in range(10)) == 2
+    for r in rows[5:]:
+        r["u"] = [2.0, 2.0]                                      # saturated from 2.5 s on
+    assert [stabilized(rows, i) for i in range(10)] == [2] * 8 + [5, 5]
