@@ -13,6 +13,7 @@ target one instance meets at the low rate only, so the controller adds and remov
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -161,13 +162,16 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     samples: list[dict] = []
     load = None
+    tail: collections.deque[str] = collections.deque(maxlen=40)
     try:
         for line in serve.stdout:
+            tail.append(line)
             if line.startswith("controller managing"):
                 break
         else:
-            raise RuntimeError("serve stopped before the controller started")
-        threading.Thread(target=lambda: [None for _ in serve.stdout], daemon=True).start()   # drain its output
+            raise RuntimeError("serve stopped before the controller started: " + "".join(tail))
+        # drain its output, keeping the last lines: where the server dies, serve's last words are its log's tail
+        threading.Thread(target=lambda: tail.extend(serve.stdout), daemon=True).start()
         server_pid = next(p for p in children(serve.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read())
         import tritonclient.grpc as grpcclient
         cfg = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}").get_model_config(MODEL, as_json=True)["config"]
@@ -190,7 +194,8 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
             "p99_target_ms": target_ms, "reloads_applied": reloads["applied"], "reloads_failed": reloads["failed"],
             "applied_reasons": reloads["reasons"],
             "requests": None if load is None else load.requests, "failed_requests": None if load is None else load.failed,
-            "errors": None if load is None else load.errors, "serve_exit": serve.returncode, "samples": samples}
+            "errors": None if load is None else load.errors, "serve_exit": serve.returncode,
+            "serve_tail": "".join(tail), "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:
