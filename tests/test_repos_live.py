@@ -142,6 +142,28 @@ def running(cfg: ControllerConfig):
         controller.close()
 
 
+def _memory_evidence(server) -> str:
+    """What the simulated GPUs' memory reading is made of, for a failure message: the server's
+    sim_gpu<k>_memory_bytes series (labelled by instance and stub pid) and the stub processes alive now."""
+    import os
+    import urllib.request
+    try:
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
+            series = [line for line in r.read().decode().splitlines() if SIM_GPU_MEMORY.match(line)]
+    except OSError as e:
+        series = [f"/metrics not read: {e}"]
+    stubs = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[0].endswith("triton_python_backend_stub"):   # ... model.py ... instance, kind
+            stubs.append(f"pid {pid}: {argv[-2]} ({argv[1]})")
+    return "\n".join(["memory series:"] + series + ["stubs alive:"] + sorted(stubs))
+
+
 def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -230,7 +252,7 @@ def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog
     assert not [r for r in records if r["model"] == "ens" and r["action"] != "hold"]
     # the step grew (the planner's or the reactive rules' reason): it starts at 2 instances
     ups = [r for r in records if r["model"] == "sim2" and r["action"] == "applied" and r["target"]["instances"] > 2]
-    assert ups, [(r["model"], r["action"], r["reason"]) for r in records]
+    assert ups, ([(r["model"], r["action"], r["reason"]) for r in records], _memory_evidence(repo_server))
     done = np.array([r.done_s for r in results])
     lat = np.array([1000 * r.latency_s for r in results])
     late = lat[done >= np.median(done)]
@@ -289,7 +311,7 @@ def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_roo
     assert results and all(r.ok for r in results), [r for r in results if not r.ok][:3]
     assert len(samples) >= 60 and len(errors) <= len(samples) // 10, errors[:3]
     assert all(per["gpu0"] == 1 for per, _ in samples), [per for per, _ in samples if per["gpu0"] != 1][:3]
-    assert max(per["gpu1"] for per, _ in samples) == 3, samples[-1]     # grew by 2, where there was room
+    assert max(per["gpu1"] for per, _ in samples) == 3, (samples[-1], _memory_evidence(repo_server))  # grew by 2
     over = [mem for _, mem in samples if any(v > budget_mb for v in mem.values())]
     assert not over, over[:3]                                            # as the device reported it, per GPU
     records = _records(tmp_path / "decisions.jsonl")
