@@ -167,8 +167,8 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
     # the pods did take the load in-pod first: both reached their second instance while 80 req/s arrived
     assert any(r["phase"] == "headroom" and r["n"] == [2, 2] for r in known), summary
     # ... and at the ceiling with load the pods can serve (the last 8 s of that phase), no scale-out either
-    # (a single reading over 0.88 on average is a p99 excursion on a loaded machine: p99/target is the load
-    # fraction at the ceiling; the HPA's scale-up window, above, is what keeps such a reading from adding a pod)
+    # (at the ceiling the reading is p99 / target, so a p99 excursion on a loaded machine can put one reading over
+    # 0.88 on average; the HPA's scale-up window, above, is what keeps such a reading from adding a pod)
     settled = [i for i, r in enumerate(known) if r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0]
     rows = lambda idx: "\n".join(f"{known[i]['t']:.1f} n={known[i]['n']} u={known[i]['u']} p99/target={known[i]['p']}"
                                  for i in idx)  # noqa: E731
