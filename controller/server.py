@@ -153,14 +153,31 @@ def repository_models(repository: Path) -> list[str]:
     return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt"))
 
 
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM the server if the process that started it dies (even kill -9),
-    so that `serve` never leaves an orphaned server behind."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+# Run by a fresh interpreter between fork and the server's exec: PR_SET_PDEATHSIG, then exec. Not a preexec_fn:
+# with one, subprocess runs the parent's at-fork hooks in the child before the exec (Python's docs: not safe with
+# threads), and in CI a child of the test process, which had gRPC threads, aborted there: exit -6, its log one
+# line from gRPC ("epoll_wait error: Bad file descriptor") 20 ms after gRPC's "skipping fork() handlers".
+_EXEC_DYING_WITH_PARENT = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+except OSError:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)                                  # the parent died before the line above: nobody to serve
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])         # PATH searched, as Popen does
+except OSError as e:
+    print(f"cannot start {sys.argv[2]}: {e}", file=sys.stderr)
+    sys.exit(127)
+"""
+
+
+def spawn_dying_with_parent(cmd: list[str], **popen_kw) -> subprocess.Popen:
+    """Start `cmd` so that Linux SIGTERMs it if the process that started it dies (even kill -9): `serve`
+    never leaves an orphaned server behind. Its pid is the command's (the interpreter in between execs it)."""
+    return subprocess.Popen([sys.executable, "-I", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd],
+                            **popen_kw)
 
 
 def remove_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> int:
@@ -280,10 +297,9 @@ class TritonServer:
             self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(o.log_path) if o.log_path else self._workdir / "tritonserver.log"
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
+        self.process = spawn_dying_with_parent(
             self.command(binary, backend_dir), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         log.close()
         try:

@@ -19,7 +19,8 @@ import tritonclient.http as http
 import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on sys.path)
 from conftest import ROOT, start_server
 from controller.actuation import Actuator, TritonControl
-from controller.server import ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, remove_shm_regions
+from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, remove_shm_regions,
+                               spawn_dying_with_parent)
 from controller.types import Settings
 
 
@@ -287,3 +288,46 @@ def _children_of(pids: list[str]) -> list[str]:
         r = subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True)
         out += r.stdout.split()
     return out
+
+
+def _in_python(code: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True, **kw)
+
+
+def test_a_started_server_dies_with_the_process_that_started_it():
+    parent = _in_python("import time\nfrom controller.server import spawn_dying_with_parent\n"
+                        "p = spawn_dying_with_parent(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)")
+    pid = parent.stdout.readline().strip()
+    try:
+        argv = lambda: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2]  # noqa: E731
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and argv() != [b"sleep", b"60"]:
+            time.sleep(0.05)
+        assert argv() == [b"sleep", b"60"]           # the interpreter in between exec'd the command, same pid
+        parent.kill()                                 # kill -9: no cleanup of its own
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        assert not _alive(pid), "the command outlived the process that started it"
+    finally:
+        parent.kill()
+        subprocess.run(["kill", "-9", pid], capture_output=True)
+
+
+def test_no_at_fork_hook_of_the_parent_runs_before_the_server_execs(tmp_path):
+    """subprocess runs a parent's at-fork hooks (gRPC's among them) in the child only for a preexec_fn; ours has none."""
+    code = ("import os, subprocess, sys\nfrom controller.server import spawn_dying_with_parent\n"
+            "os.register_at_fork(after_in_child=lambda: open(sys.argv[1], 'w').close())\n"
+            "spawn_dying_with_parent(['true']).wait() if sys.argv[2] == 'ours' else "
+            "subprocess.Popen(['true'], preexec_fn=lambda: None).wait()\n")
+    for how, hook_ran in (("ours", False), ("preexec_fn", True)):     # the second: the check can see a hook run
+        marker = tmp_path / how
+        subprocess.run([sys.executable, "-c", code, str(marker), how], cwd=ROOT, check=True, timeout=60)
+        assert marker.exists() == hook_ran, how
+
+
+def test_a_command_that_cannot_start_says_why(tmp_path):
+    p = spawn_dying_with_parent([str(tmp_path / "no_such_binary")], stderr=subprocess.PIPE, text=True)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 127 and "cannot start" in err and "No such file" in err, (p.returncode, err)
