@@ -163,6 +163,7 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
     samples: list[dict] = []
     load = None
     tail: collections.deque[str] = collections.deque(maxlen=40)
+    tail_lock = threading.Lock()
     try:
         for line in serve.stdout:
             tail.append(line)
@@ -171,7 +172,11 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
         else:
             raise RuntimeError("serve stopped before the controller started: " + "".join(tail))
         # drain its output, keeping the last lines: where the server dies, serve's last words are its log's tail
-        threading.Thread(target=lambda: tail.extend(serve.stdout), daemon=True).start()
+        def drain() -> None:
+            for out_line in serve.stdout:
+                with tail_lock:
+                    tail.append(out_line)
+        threading.Thread(target=drain, daemon=True).start()
         server_pid = next(p for p in children(serve.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read())
         import tritonclient.grpc as grpcclient
         cfg = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}").get_model_config(MODEL, as_json=True)["config"]
@@ -190,12 +195,14 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
         stop_process(serve, timeout_s=60)
     reloads = reloads_logged(decision_log)
     shutil.rmtree(work, ignore_errors=True)
+    with tail_lock:
+        serve_tail = "".join(tail)
     return {"minutes": minutes, "every_s": every_s, "phase_s": phase_s, "low_rps": low_rps, "high_rps": high_rps,
             "p99_target_ms": target_ms, "reloads_applied": reloads["applied"], "reloads_failed": reloads["failed"],
             "applied_reasons": reloads["reasons"],
             "requests": None if load is None else load.requests, "failed_requests": None if load is None else load.failed,
             "errors": None if load is None else load.errors, "serve_exit": serve.returncode,
-            "serve_tail": "".join(tail), "samples": samples}
+            "serve_tail": serve_tail, "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:
