@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,24 @@ from controller.server import ServerOptions, TritonServer, free_port  # noqa: E4
 # throwaway folder, never in the user's: a test must not find, or be found by, a serve the user is running.
 os.environ["TRITON_AUTOTUNE_RUN_DIR"] = tempfile.mkdtemp(prefix="triton-autotune-tests-")
 atexit.register(shutil.rmtree, os.environ["TRITON_AUTOTUNE_RUN_DIR"], True)
+
+
+def live_stubs(server: TritonServer) -> dict[int, list[str]]:
+    """The live (not zombie) `triton_python_backend_stub` children of a started server: pid -> argv
+    (argv[1] is the model's model.py, argv[-2] the instance's name)."""
+    kids = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
+    out = {}
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            with open(f"/proc/{k}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if argv and argv[0].endswith("triton_python_backend_stub") and state != "Z":
+            out[int(k)] = argv
+    return out
 
 
 def start_server(models: list[str], **kw) -> TritonServer:

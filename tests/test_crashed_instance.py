@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from conftest import live_stubs
 from controller.actuation import REPAIR_KEY, Actuator, TritonControl, settings_of
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.gpu import SIM_MEMORY_METRIC
@@ -32,17 +32,7 @@ MODEL = "sim_accel"
 
 def _stubs(server) -> list[int]:
     """The pids of the live (not zombie) `triton_python_backend_stub` children of tritonserver for the model."""
-    kids = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
-    out = []
-    for k in kids:
-        try:
-            cmdline = open(f"/proc/{k}/cmdline").read()
-            state = open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if "triton_python_backend_stub" in cmdline and MODEL in cmdline and state != "Z":
-            out.append(int(k))
-    return out
+    return [pid for pid, argv in live_stubs(server).items() if any(MODEL in a for a in argv)]
 
 
 def _newest_stub(server) -> int:

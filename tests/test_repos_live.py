@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from conftest import ROOT, start_server
+from conftest import ROOT, live_stubs, start_server
 from controller import groups
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
@@ -144,24 +144,15 @@ def running(cfg: ControllerConfig):
 
 def _memory_evidence(server) -> str:
     """What the simulated GPUs' memory reading is made of, for a failure message: the server's
-    sim_gpu<k>_memory_bytes series (labelled by instance and stub pid) and the stub processes alive now."""
-    import os
+    sim_gpu<k>_memory_bytes series (labelled by instance and stub pid) and its stub processes alive now."""
     import urllib.request
     try:
         with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
             series = [line for line in r.read().decode().splitlines() if SIM_GPU_MEMORY.match(line)]
     except OSError as e:
         series = [f"/metrics not read: {e}"]
-    stubs = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-        except OSError:
-            continue
-        if len(argv) > 2 and argv[0].endswith("triton_python_backend_stub"):   # ... model.py ... instance, kind
-            stubs.append(f"pid {pid}: {argv[-2]} ({argv[1]})")
-    return "\n".join(["memory series:"] + series + ["stubs alive:"] + sorted(stubs))
+    stubs = [f"pid {pid}: {argv[-2]} ({argv[1]})" for pid, argv in sorted(live_stubs(server).items()) if len(argv) > 2]
+    return "\n".join(["memory series:"] + series + ["stubs alive:"] + stubs)
 
 
 def _records(path) -> list[dict]:
