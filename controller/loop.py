@@ -124,7 +124,7 @@ def summarize_obs(obs: Observation) -> dict:
     out = {"span_s": r(obs.span_s, 1), "arrival_rps": r(obs.arrival_rps, 1), "completion_rps": r(obs.completion_rps, 1),
            "failure_rps": r(obs.failure_rps), "shed_rps": r(obs.shed_rps), "pending_mean": r(obs.pending_mean), "queue_ms": r(obs.queue_ms_per_request),
            "compute_ms": r(obs.compute_ms_per_request), "p99_ms": r(obs.p99_ms), "p99_source": obs.p99_source,
-           "busy": r(obs.busy_fraction, 3), "avg_batch": r(obs.avg_batch_size), "batches_per_s": r(obs.exec_rps, 1),
+           "busy": r(obs.busy_fraction, 3), "busy_source": obs.busy_source, "avg_batch": r(obs.avg_batch_size), "batches_per_s": r(obs.exec_rps, 1),
            "mean_ms": r(obs.request_ms_mean)}
     if obs.p99_source == "trace":
         out["p99_samples"] = obs.p99_samples

@@ -39,6 +39,7 @@ from typing import Callable, Iterable
 
 from .planner import Forecast, PlanInputs, mixture_p99, rate_components, simulate_quantised
 from .service import ServiceTimes
+from .service import counters_restarted
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceWindow, choose_sampling, needs_change
 from .types import GpuObservation, Observation, Settings
@@ -77,6 +78,11 @@ class ModelObserver:
         self._latest: ModelCounters | None = None
         self.forecast: Forecast | None = None     # of the arrival rate, one update per tick with usable counters
         self._utilisation: deque[tuple[float, dict[int, float]]] = deque()   # (time, {device: % busy}) per tick
+        # per tick with statistics: (time, chain, executions, ns executing), cumulative over every batch size;
+        # a new chain starts where the statistics restarted or a tick had none (see `_executing`)
+        self._executed: deque[tuple[float, int, int, int]] = deque()
+        self._executed_chain = 0
+        self._executed_last: StatsCounters | None = None
 
     # -- feeding -------------------------------------------------------------------------------
     def add_scrape(self, now: float, counters: ModelCounters | None, stats: StatsCounters | None,
@@ -85,7 +91,21 @@ class ModelObserver:
         self.counters.add(now, counters)
         self._latest = counters
         self.service.add(live, stats, now)     # why: None (config unknown, reload in flight) breaks the chain
+        self._add_executed(now, stats if live is not None else None)
         self._update_forecast(now)
+
+    def _add_executed(self, now: float, stats: StatsCounters | None) -> None:
+        """Keep the statistics' cumulative execution count and time (`batch_stats`: each execution once)."""
+        if stats is None:
+            self._executed_last = None
+            return
+        if self._executed_last is None or counters_restarted(self._executed_last, stats):
+            self._executed_chain += 1
+        self._executed_last = stats
+        rows = [b for size, b in stats.batch_stats.items() if size >= 1]
+        self._executed.append((now, self._executed_chain, sum(b.executions for b in rows), sum(b.compute_ns for b in rows)))
+        while self._executed and self._executed[0][0] < now - self.counters.max_age_s:
+            self._executed.popleft()
 
     def _update_forecast(self, now: float) -> None:
         """Feed the forecast this tick's arrival rate (the last two samples; a reset or gap feeds nothing)."""
@@ -122,6 +142,8 @@ class ModelObserver:
                 max_batch_size: int = 0) -> Observation:
         span = min(self.window_s, max(0.0, now - self.fresh_from))
         obs = self.counters.observe(now, span, live.instance_count)
+        if obs.valid:
+            obs = self._executing(obs, live.instance_count)
         self._utilisation.append((now, {g.index: g.utilization_pct for g in devices if g.utilization_pct is not None}))
         while self._utilisation and self._utilisation[0][0] < now - self.counters.max_age_s:
             self._utilisation.popleft()
@@ -153,6 +175,33 @@ class ModelObserver:
                                         fit.predict_ms)
             return None if single is None else single.p99_ms
         return mixture_p99(parts)
+
+    def _executing(self, obs: Observation, instance_count: int) -> Observation:
+        """The busy fraction from the statistics' `batch_stats`, which count each execution once, over the
+        observation's own span; the counters' estimate (`signals.busy_fraction`) where they cannot give it.
+
+        The `/metrics` counters charge every request its whole batch's compute time, so their estimate
+        (mean compute per request x executions) weighs each execution by its batch size: when sizes vary
+        it reads high, over 100% on a saturated instance (measured, sim_accel, 1 instance, 20 s each:
+        1.04 against 0.92 from `batch_stats` at 200 req/s, 1.13 against 0.98 at 300 req/s). Example: in
+        10 s one instance ran 100 executions of 1 item (5 ms each) and 100 of 9 items (30 ms each): it was
+        busy (0.5 + 3.0) s / 10 s = 0.35; the counters give (100 x 5 + 900 x 30) / 1000 requests = 27.5 ms
+        per request x 200 executions = 5.5 s, 0.55.
+
+        Used only where the statistics were read at both ends of the span, without a restart or a missing
+        tick between, and account for the executions the counters saw (a model without `batch_stats`
+        rows, an ensemble for one, keeps the estimate)."""
+        def at(t: float) -> tuple[int, int, int] | None:   # the statistics read at the tick of time t
+            return next(((c, n, ns) for u, c, n, ns in self._executed if abs(u - t) <= 1e-6), None)
+
+        first, last = at(obs.since), at(obs.since + obs.span_s)
+        if first is None or last is None or first[0] != last[0] or obs.span_s <= 0:
+            return obs
+        executions, ns = last[1] - first[1], last[2] - first[2]
+        if executions <= 0 < obs.exec_rps or ns < 0:
+            return obs
+        busy = ns / 1e9 / obs.span_s / max(1, instance_count)
+        return dataclasses.replace(obs, busy_fraction=busy, busy_source="batch_stats")
 
     def _window_utilisation(self, devices: tuple[GpuObservation, ...], since: float, now: float) -> tuple[GpuObservation, ...]:
         """The devices with their utilisation averaged over the observation's span (each tick's reading

@@ -406,6 +406,11 @@ def busy_fraction(compute_us: float, requests: float, executions: float, span_s:
     Triton adds 20,000 µs to each request: compute_us = 500 × 20,000 = 10,000,000 µs,
     i.e. 20,000 µs per request ≈ per execution; × 125 executions = 2,500,000 µs = 2.5 s of
     instance time; / 10 s / 1 instance = 0.25 (0.125 with 2 instances).
+
+    That holds only when every batch has the same size: the mean per request weighs each execution by
+    its batch size, so with mixed sizes this reads high (over 1.0 on a saturated instance). The observer
+    uses `batch_stats` instead where it has them (`observer.ModelObserver._executing`); this is the
+    fallback.
     """
     if requests <= 0 or span_s <= 0:
         return 0.0

@@ -177,6 +177,12 @@ def _num(x: Any, digits: int = 1) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _busy_note(o: dict) -> str:
+    """" (estimated)" where the busy figure came from the request counters (no `batch_stats` over the
+    window: it reads high when batch sizes vary); nothing where it is exact or the log predates the field."""
+    return " (estimated)" if o.get("busy_source") == "requests" else ""
+
+
 def _g(x: Any) -> str:
     return "?" if x is None else f"{x:g}"
 
@@ -309,7 +315,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                 rows.extend(_ensemble_rows(m, models or {}, name))
             elif o.get("completion_rps"):
                 rows.append(("per request", f"queue {_num(o.get('queue_ms'), 2)} ms + compute {_num(o.get('compute_ms'), 2)} ms; "
-                             f"busy {'?' if busy is None else f'{100 * busy:.0f}%'}, {_num(o.get('avg_batch'), 2)} per batch"))
+                             f"busy {'?' if busy is None else f'{100 * busy:.0f}%'}{_busy_note(o)}, {_num(o.get('avg_batch'), 2)} per batch"))
             svc = o.get("service")
             if svc and svc.get("alpha_ms") is not None:
                 rows.append(("service", f"{svc['alpha_ms']} + {svc['beta_ms']} x batch ms per execution "

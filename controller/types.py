@@ -60,6 +60,7 @@ class Observation:
     p99_samples: int = 0                  # with "trace": the sampled requests behind the figure
     predicted_p99_ms: float | None = None  # planner.simulate for the live config at this arrival rate (the planner's check)
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
+    busy_source: str = "requests"         # "batch_stats" (exact: observer) | "requests" (signals.busy_fraction: reads high)
     gpus: tuple[GpuObservation, ...] = ()
     placement: tuple[tuple[str, int], ...] = ()   # this model's live instances per device (groups.py keys: "gpu1", "cpu")
     service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config

@@ -214,6 +214,18 @@ def test_sweep_warm_starts_the_controller(tmp_path):
             for p in points] == [(1, 0, 100.0, 99.5, 20.0, True), (2, 2000, 300.0, 150.0, 90.0, False)]
 
 
+def test_the_adaptive_arm_can_bench_the_reactive_rules_alone(tmp_path):
+    from controller.cli import build_parser
+    from controller.evaluation.bench import BenchOptions, _controller_spec
+    trace = load_trace({"phases": [{"name": "a", "duration_s": 10, "rate_rps": 50}]})
+    on = _controller_spec(BenchOptions(scenario=tmp_path / "s.yaml", out=tmp_path), trace)
+    off = _controller_spec(BenchOptions(scenario=tmp_path / "s.yaml", out=tmp_path, controller_planner=False), trace)
+    assert on.settings["planner"] is True and off.settings["planner"] is False
+    args = build_parser().parse_args(["bench", "--controller-planner", "off"])
+    assert args.controller_planner == "off"
+    assert build_parser().parse_args(["bench"]).controller_planner == "on"
+
+
 # ----------------------------------------------------------------------------- timelines and bins
 def test_instance_seconds_integrates_the_live_count():
     assert instance_seconds([(0, 1), (30, 4), (90, 2)], 120) == pytest.approx(330)

@@ -183,6 +183,12 @@ def test_the_text_is_one_aligned_block_per_model():
     assert rows["p99"] == "12.34 ms  from trace, 240 samples  (tracing on, 1 in 7 requests)"
     assert rows["per request"] == "queue 1.25 ms + compute 8.10 ms; busy 45%, 1.80 per batch"
     assert rows["reason"] == "HoldSteady for 1m 20s"
+    # from the request counters (no batch_stats over the window) the busy figure is an estimate, and says so
+    estimated = dict(SEEN, obs=dict(SEEN["obs"], busy_source="requests"))
+    rows_est = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", estimated)[1:])
+    assert rows_est["per request"] == "queue 1.25 ms + compute 8.10 ms; busy 45% (estimated), 1.80 per batch"
+    exact = dict(SEEN, obs=dict(SEEN["obs"], busy_source="batch_stats"))
+    assert "busy 45%, 1.80" in "\n".join(format_model("sim_accel", exact))
     assert rows["last change"].endswith("(2m 10s ago) 1 -> 2 instances, delay 0 us: ScaleUpQueueGrowing (in place, 0.7 s)")
 
 

@@ -75,3 +75,65 @@ def test_the_window_p99_mixes_bursts_and_lulls_and_moves_little_with_one_burst_t
     assert four - two < 0.35 * (burst - lull)           # one burst tick less moves it a little, not lull <-> burst
     steady = window_p99([200.0] * 10)                   # one load: the simulation at its rate
     assert steady == simulate_quantised(200.0, 1, 0, 8, fit.predict_ms).p99_ms
+
+
+# The busy fraction: exact from `batch_stats` (each execution once), the request counters' estimate otherwise.
+# observer._executing's docstring example: in 10 s one instance ran 100 executions of 1 item (5 ms each) and
+# 100 of 9 items (30 ms each): busy 3.5 s of 10 = 0.35; the counters charge each request its batch's time,
+# (100 x 5 + 900 x 30) ms / 1000 requests x 200 executions = 5.5 s: 0.55.
+
+def mixed_counters(f: float) -> ModelCounters:
+    """The example's `/metrics` counters after the share f of its 10 s."""
+    return ModelCounters(success=1000 * f, failure=0.0, inference_count=1000 * f, exec_count=200 * f, queue_us=0.0,
+                         compute_input_us=0.0, compute_infer_us=27_500_000 * f, compute_output_us=0.0,
+                         request_us=28_000_000 * f, pending=0.0)
+
+
+def mixed_stats(f: float, scale: float = 1.0):
+    from controller.signals import BatchStat, StatsCounters
+    rows = {1: BatchStat(round(100 * f * scale), 0, round(500e6 * f * scale), 0),
+            9: BatchStat(round(100 * f * scale), 0, round(3000e6 * f * scale), 0)}
+    return StatsCounters(inference_count=round(1000 * f * scale), execution_count=round(200 * f * scale), batch_stats=rows)
+
+
+def run_mixed(stats_at) -> "object":
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    for t in range(0, 11):
+        o.add_scrape(float(t), mixed_counters(t / 10), stats_at(t), LIVE)
+    return o.observe(10.0, LIVE)
+
+
+def test_busy_is_exact_from_batch_stats_where_they_cover_the_window():
+    obs = run_mixed(lambda t: mixed_stats(t / 10))
+    assert obs.valid and obs.span_s == 10.0
+    assert obs.busy_source == "batch_stats" and abs(obs.busy_fraction - 0.35) < 1e-9
+
+
+def test_busy_falls_back_to_the_counters_estimate_without_statistics():
+    obs = run_mixed(lambda t: None)
+    assert obs.busy_source == "requests" and abs(obs.busy_fraction - 0.55) < 1e-9
+
+
+def test_busy_falls_back_where_the_statistics_break_within_the_window():
+    # a tick without statistics in the middle: a restart between could not be seen
+    gap = run_mixed(lambda t: None if t == 5 else mixed_stats(t / 10))
+    assert gap.busy_source == "requests" and abs(gap.busy_fraction - 0.55) < 1e-9
+    # the statistics restarted (a full reload) while the counters did not: the delta would be wrong
+    restart = run_mixed(lambda t: mixed_stats(t / 10) if t < 6 else mixed_stats((t - 6) / 10))
+    assert restart.busy_source == "requests"
+
+
+def test_busy_keeps_the_estimate_where_batch_stats_miss_the_executions():
+    # an ensemble, for one, reports executions in /metrics but no batch_stats rows
+    from controller.signals import StatsCounters
+    obs = run_mixed(lambda t: StatsCounters(inference_count=100 * t, execution_count=20 * t))
+    assert obs.busy_source == "requests" and abs(obs.busy_fraction - 0.55) < 1e-9
+
+
+def test_busy_uses_only_the_fresh_span_and_the_live_instance_count():
+    o = ModelObserver("m", window_s=10.0, settle_s=2.0)
+    for t in range(0, 11):
+        o.add_scrape(float(t), mixed_counters(t / 10), mixed_stats(t / 10), Settings(2, 0))
+    o.mark_change(4.0)           # fresh from 6 s: 4 s of a steady 0.35 instance-seconds per second over 2 instances
+    obs = o.observe(10.0, Settings(2, 0))
+    assert obs.span_s == 4.0 and obs.busy_source == "batch_stats" and abs(obs.busy_fraction - 0.175) < 1e-9

@@ -443,6 +443,7 @@ class BenchOptions:
     sweep_seconds: float = 4.0
     controller_gpu: str | None = None      # None: "simulated" for sim_accel, else "auto"
     controller_scale_down_delay_s: float | None = None   # None: the controller's default
+    controller_planner: bool = True        # False: the reactive rules alone (the planner's fallback), to bench them
     model_analyzer: Path | None = None     # model_analyzer.json: adds the static arm `model_analyzer` at MA's pick
 
 
@@ -487,7 +488,8 @@ def _controller_spec(opts: BenchOptions, trace: Trace) -> ControllerSpec:
         limits["scale_down_delay_s"] = opts.controller_scale_down_delay_s
     return ControllerSpec(
         settings={"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
-                  "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto")},
+                  "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto"),
+                  "planner": opts.controller_planner},
         models={opts.model: limits}, observation_log=True,
         duration_s=controller_run_s(trace.duration_s))
 
@@ -819,6 +821,7 @@ def run_bench(args) -> int:
                         delays_us=args.delays_us, sweep_seconds=args.sweep_seconds,
                         controller_gpu=args.controller_gpu,
                         controller_scale_down_delay_s=args.controller_scale_down_delay_s,
+                        controller_planner=getattr(args, "controller_planner", "on") == "on",
                         model_analyzer=getattr(args, "model_analyzer", None))
     summary = bench(opts)
     print(format_summary(summary))
