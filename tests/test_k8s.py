@@ -185,6 +185,11 @@ def test_the_metric_the_scalers_read_is_one_the_controller_exports():
     (rule,) = adapter["rules"]["custom"]
     assert rule["name"]["as"] == name and rule["seriesQuery"].startswith(name + "{")
     assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+    # a range in the query (max_over_time(...[1m])) would hold one high reading longer than the HPA's scale-up
+    # window and so defeat it: any range must be no longer than that window
+    units = {"s": 1, "m": 60, "h": 3600}
+    ranges = [int(n) * units[u] for n, u in re.findall(r"\[(\d+)([smh])\]", rule["metricsQuery"])]
+    assert all(r <= b["scaleUp"]["stabilizationWindowSeconds"] for r in ranges), rule["metricsQuery"]
     so = one(KEDA_OBJS, "ScaledObject")
     (trigger,) = so["spec"]["triggers"]
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
