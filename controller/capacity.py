@@ -25,9 +25,12 @@ The rule (n = live instance count, N = ceiling, a = arrival rate, T = p99 target
 * **at the ceiling, within the target**: capacity = ``max(C_N, a / f)`` (at least what was served,
   at least the current rate extrapolated to full load), ``u = a / capacity``; u >= 1 only when
   the extrapolation says so (f >= 1), and then `saturated`;
-* **below the ceiling** (an instance can still be added): capacity at N is estimated as
-  ``max(C_N, max(C_n, a / f) x N / n)`` (what the live count does, scaled by the instances still
-  available: optimistic, since a device's capacity does not grow linearly), and
+* **below the ceiling** (an instance can still be added): capacity at N is the planner's prediction for
+  N instances when given, else estimated as ``max(C_N, max(C_n, a / f) x N / n)`` (what the live count
+  does, scaled by the instances still available: optimistic, since a device's capacity does not grow
+  linearly: 1 sim_accel instance at 200 req/s extrapolates to ~4,600 req/s at 8, where the planner,
+  which knows the instances share one device, predicts ~1,200); never less than ``max(C_n, a / f)``,
+  what the live count already does; and
   ``u = min(a / capacity, HEADROOM_MAX)``: below 1 by construction, so a fleet scaler with a target
   of about 0.8 (HPA tolerance 10%: scale-out above 0.88) never adds a pod while the tuner can still
   add an instance.
@@ -38,6 +41,8 @@ Worked example (target 100 ms, max_instances 2, so N = 2):
 
 * 1 instance, 90 req/s, p99 85 ms: f = 0.85, C_1 unknown, capacity at 1 = 90 / 0.85 = 105.9 req/s,
   at 2 = 211.8 req/s: u = 90 / 211.8 = 0.42 (the tuner adds an instance; no new pod).
+* the same with the planner's prediction for 2 instances at the live delay, 150 req/s (the two share one
+  device): capacity = max(150, 105.9) = 150 req/s, u = 0.6.
 * 2 instances, 120 req/s, p99 60 ms; served before at 2: 120 req/s: f = 0.6, capacity =
   max(120, 120 / 0.6) = 200 req/s: u = 0.6.
 * 2 instances, 200 req/s, p99 900 ms (queue growing): u = max(1, min(2, max(200 / 120, 9.0))) = 2.0,
@@ -115,10 +120,15 @@ def utilization(obs: Observation | None, current: Settings | None, ceiling: int,
     # below the ceiling: the tuner still has instances to add
     now_served = served_max(points, n)
     now_cap = max(x for x in (now_served, a / f if f > 0 else None, 0.0) if x is not None)
-    scaled = now_cap * ceiling / max(n, 1)
-    cap = max(c_n or 0.0, scaled)
-    if (c_n or 0.0) < scaled:
-        source = "extrapolated"
+    if source == "planner":
+        cap = max(c_n, now_cap)
+        if c_n < now_cap:
+            source = "measured" if now_served is not None and now_served >= now_cap else "extrapolated"
+    else:
+        scaled = now_cap * ceiling / max(n, 1)
+        cap = max(c_n or 0.0, scaled)
+        if (c_n or 0.0) < scaled:
+            source = "extrapolated"
     u = 0.0 if a <= 0 else (a / cap if cap > 0 else HEADROOM_MAX)
     return Capacity(min(u, HEADROOM_MAX), cap or None, False, p_t, ceiling, held, source)
 

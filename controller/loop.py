@@ -84,7 +84,7 @@ class ManagedModel:
     capacity_t: float | None = None                     # ... as of then (kept through short gaps in the data)
     mark: OwnerMark | None = None                        # the owner mark in its live config (ownership.py)
     owner: Verdict | None = None                         # what that mark means for this controller
-    predicted: dict | None = None                        # the planner's capacity of the live config and n +- 1 ...
+    predicted: dict | None = None                        # the planner's capacity of the live config, n +- 1, the ceiling ...
     predicted_t: float = -1e18                           # ... computed then (every PREDICTED_EVERY_S)
     plan_inputs: "planner.PlanInputs | None" = None      # the planner's inputs at this tick's decision (the arbiter's)
     kind: "modelkind.ModelKind | None" = None            # what the live config says the model is (modelkind.py)
@@ -385,16 +385,22 @@ class Controller:
         mm.plan_inputs = inputs
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size,
                                            inputs)
-        self._update_capacity(mm, obs, decision, now)
-        if inputs is not None and obs.valid and now - mm.predicted_t >= PREDICTED_EVERY_S:
+        ceiling, _ = policy.instance_ceiling(mm.current, mm.limits, mm.state, obs, now)
+        stale = mm.predicted is None or mm.predicted["live"] != mm.current or mm.predicted["ceiling"] != ceiling
+        if inputs is not None and obs.valid and (stale or now - mm.predicted_t >= PREDICTED_EVERY_S):
             caps = planner.capacities(mm.current, inputs, mm.state.plan, target_ms=mm.limits.p99_target_ms,
                                       min_instances=mm.limits.min_instances, max_instances=mm.limits.max_instances,
                                       device_util=policy.device_utilisation(obs), exec_rps=obs.exec_rps,
-                                      avg_batch=obs.avg_batch_size, now=now)
-            mm.predicted, mm.predicted_t = {"capacity_rps": caps, "mode": decision.mode,
-                                            "instances": mm.current.instance_count}, now
-        elif inputs is not None and mm.predicted is not None:
+                                      avg_batch=obs.avg_batch_size, now=now, also=(ceiling,))
+            n = mm.current.instance_count
+            mm.predicted, mm.predicted_t = {"capacity_rps": {k: v for k, v in caps.items() if abs(k - n) <= 1},
+                                            "mode": decision.mode, "live": mm.current, "ceiling": ceiling,
+                                            "at_ceiling_rps": caps.get(ceiling)}, now
+        elif inputs is None:
+            mm.predicted = None
+        elif mm.predicted is not None:
             mm.predicted["mode"] = decision.mode
+        self._update_capacity(mm, obs, decision, ceiling, now)
         return decision, obs
 
     def _device_fraction(self, mm: ManagedModel, obs: Observation) -> float | None:
@@ -416,12 +422,16 @@ class Controller:
             return None
         return own / total
 
-    def _update_capacity(self, mm: ManagedModel, obs: Observation, decision: Decision, now: float) -> None:
-        """This model's use of the pod's capacity at its ceiling (controller/capacity.py). Without a valid
-        observation the last figure stays for up to CAPACITY_STALE_WINDOWS windows, then goes (absent)."""
-        ceiling, _ = policy.instance_ceiling(mm.current, mm.limits, mm.state, obs, now)
+    def _update_capacity(self, mm: ManagedModel, obs: Observation, decision: Decision, ceiling: int, now: float) -> None:
+        """This model's use of the pod's capacity at its ceiling (controller/capacity.py), with the planner's
+        capacity at the ceiling where it has one for the live configuration (recomputed on a change of it or of
+        the ceiling, else every PREDICTED_EVERY_S). Without a valid observation the last figure stays for up to
+        CAPACITY_STALE_WINDOWS windows, then goes (absent)."""
+        p = mm.predicted
+        planned = (p["at_ceiling_rps"] if p is not None and p["live"] == mm.current and p["ceiling"] == ceiling
+                   else None)
         cap = capacity_mod.utilization(obs, mm.current, ceiling, mm.limits.p99_target_ms, mm.state.perf,
-                                       decision.held_by)
+                                       decision.held_by, planned_capacity_rps=planned)
         if cap is not None:
             mm.capacity, mm.capacity_t = cap, now
         elif mm.capacity_t is None or now - mm.capacity_t > CAPACITY_STALE_WINDOWS * self.config.loop.window_s:

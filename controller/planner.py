@@ -39,7 +39,7 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -934,15 +934,18 @@ def _live_model(live: Settings, inputs: PlanInputs, state: PlannerState, device_
 
 def capacities(live: Settings, inputs: PlanInputs, state: PlannerState, *, target_ms: float, min_instances: int,
                max_instances: int, device_util: float | None, exec_rps: float, avg_batch: float,
-               now: float) -> dict[int, float | None]:
+               now: float, also: Iterable[int] = ()) -> dict[int, float | None]:
     """Predicted capacity (req/s within the target) of the live configuration and of one instance fewer and
-    one more (same delay), corrected like the choice: what `status` shows. {} without a live curve."""
+    one more (same delay), corrected like the choice: what `status` shows; and of the counts in `also` (the
+    loop asks for the instance ceiling: the pod's capacity the fleet scaler reads, capacity.py). {} without
+    a live curve."""
     ctx = _live_model(live, inputs, state, device_util, exec_rps, avg_batch, now)
     if ctx is None:
         return {}
     model, factor, device = ctx
     out: dict[int, float | None] = {}
-    for n in (live.instance_count - 1, live.instance_count, live.instance_count + 1):
+    counts = (live.instance_count - 1, live.instance_count, live.instance_count + 1, *also)
+    for n in sorted(set(counts)):
         if min_instances <= n <= max_instances:
             c = capacity_rps(Settings(n, live.max_queue_delay_us), model, max(1, inputs.max_batch), factor, target_ms,
                              device)

@@ -110,6 +110,22 @@ def test_a_planner_figure_replaces_the_measured_one():
     assert c.source == "planner" and c.utilization == pytest.approx(100 / 400)
 
 
+def test_below_the_ceiling_the_planner_replaces_the_linear_extrapolation():
+    # the docstring's example: 1 instance, 90 req/s, p99 85 ms; the planner predicts 150 req/s for 2 (one device)
+    c = utilization(obs(90, 85), Settings(1, 0), 2, T, planned_capacity_rps=150.0)
+    assert c.source == "planner" and c.capacity_rps == pytest.approx(150.0) and c.utilization == pytest.approx(0.6)
+    linear = utilization(obs(90, 85), Settings(1, 0), 2, T)
+    assert linear.source == "extrapolated" and linear.capacity_rps == pytest.approx(2 * 90 / 0.85)
+    # never under what the live count already does: measured (a point served 200 req/s at 1) or p99's extrapolation
+    served = utilization(obs(90, 85), Settings(1, 0), 2, T, [point(1, 200)], planned_capacity_rps=150.0)
+    assert served.source == "measured" and served.capacity_rps == pytest.approx(200.0)
+    light = utilization(obs(90, 30), Settings(1, 0), 2, T, planned_capacity_rps=150.0)
+    assert light.source == "extrapolated" and light.capacity_rps == pytest.approx(300.0)
+    # and below the ceiling it stays under the headroom bound, however small the planner's figure
+    small = utilization(obs(140, 95), Settings(1, 0), 2, T, planned_capacity_rps=150.0)
+    assert small.utilization <= HEADROOM_MAX and not small.saturated
+
+
 def test_unknown_without_a_valid_observation_and_zero_without_traffic():
     assert utilization(Observation(valid=False), Settings(1, 0), 2, T) is None
     assert utilization(None, Settings(1, 0), 2, T) is None

@@ -389,3 +389,41 @@ def test_a_dry_run_says_it_would_repair_once_per_wait_and_loads_nothing(tmp_path
     records = [json.loads(x) for x in log.read_text().splitlines()]
     assert control.loads == []
     assert [r["action"] for r in records if r["reason"] == "RepairFullReload"] == ["dry_run"]
+
+
+class StatsScraper(FakeScraper):
+    """FakeScraper whose statistics carry batch_stats: half the executions of 1 item (6 ms), half of 2 (7.5 ms)."""
+
+    def all_stats(self):
+        if self.down:
+            return None
+        from controller.signals import BatchStat, StatsCounters
+        out = {}
+        for m, fm in self.models.items():
+            k = round(fm.n / 3)      # fm.n items in k executions of 1 and k of 2
+            out[m] = StatsCounters(inference_count=3 * k, execution_count=2 * k,
+                                   batch_stats={1: BatchStat(k, 0, k * 6_000_000, 0), 2: BatchStat(k, 0, k * 7_500_000, 0)})
+        return out
+
+
+def test_the_fleet_scalers_capacity_at_the_ceiling_is_the_planners_not_a_linear_extrapolation():
+    clock = Clock()
+    fm = FakeModel(rps=150.0, latency_ms=12.0, compute_ms=8.0)
+    control = FakeControl(["m"])
+    scraper = StatsScraper(clock, {"m": fm})
+    limits = ModelLimits(p99_target_ms=40.0, max_instances=8, scale_up_cooldown_s=0.0, max_delay_us=0)
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={"m": limits})
+    c = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(c, clock, 12)
+    mm = c.models["m"]
+    assert mm.current == Settings(1, 0) and mm.predicted is not None
+    cap = mm.capacity
+    assert cap is not None and cap.ceiling == 8 and cap.source == "planner"
+    assert cap.capacity_rps == pytest.approx(mm.predicted["at_ceiling_rps"])
+    # not the linear figure (1 instance's p99-based capacity x 8); without a device here the planner's 8 instances
+    # do not contend, so the two are close: on a device they share, the planner's is far lower (README, "status")
+    linear = 150.0 / (mm.last_obs.p99_ms / 40.0) * 8
+    assert cap.capacity_rps != pytest.approx(linear, rel=0.01)
+    assert cap.utilization == pytest.approx(150.0 / cap.capacity_rps)
+    # the busy figure came from the statistics: 150 items/s in 50 + 50 executions/s of 6 and 7.5 ms = 0.675 s/s
+    assert mm.last_obs.busy_source == "batch_stats" and mm.last_obs.busy_fraction == pytest.approx(0.675, rel=0.02)
