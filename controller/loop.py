@@ -394,7 +394,8 @@ class Controller:
                                       avg_batch=obs.avg_batch_size, now=now, also=(ceiling,))
             n = mm.current.instance_count
             mm.predicted, mm.predicted_t = {"capacity_rps": {k: v for k, v in caps.items() if abs(k - n) <= 1},
-                                            "mode": decision.mode, "live": mm.current, "ceiling": ceiling,
+                                            # why: no curve yet for the live count (just changed): ask again next tick
+                                            "mode": decision.mode, "live": mm.current if caps else None, "ceiling": ceiling,
                                             "at_ceiling_rps": caps.get(ceiling)}, now
         elif inputs is None:
             mm.predicted = None
