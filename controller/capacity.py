@@ -28,8 +28,8 @@ The rule (n = live instance count, N = ceiling, a = arrival rate, T = p99 target
 * **below the ceiling** (an instance can still be added): capacity at N is the planner's prediction for
   N instances when given, else estimated as ``max(C_N, max(C_n, a / f) x N / n)`` (what the live count
   does, scaled by the instances still available: optimistic, since a device's capacity does not grow
-  linearly: 1 sim_accel instance at 200 req/s extrapolates to ~4,600 req/s at 8, where the planner,
-  which knows the instances share one device, predicts ~1,200); never less than ``max(C_n, a / f)``,
+  linearly: 1 sim_accel instance at 200 req/s extrapolated to ~4,600 req/s at 8, where the planner,
+  which knows the instances share one device, predicted ~2,000); never less than ``max(C_n, a / f)``,
   what the live count already does; and
   ``u = min(a / capacity, HEADROOM_MAX)``: below 1 by construction, so a fleet scaler with a target
   of about 0.8 (HPA tolerance 10%: scale-out above 0.88) never adds a pod while the tuner can still
