@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .planner import Forecast, PlanInputs, mixture_p99, rate_components, simulate_quantised
-from .service import ServiceTimes
-from .service import counters_restarted
+from .service import ServiceTimes, counters_restarted
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceWindow, choose_sampling, needs_change
 from .types import GpuObservation, Observation, Settings

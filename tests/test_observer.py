@@ -3,8 +3,8 @@ utilisation averaged over the observation's span (the rates it is divided by cov
 from __future__ import annotations
 
 from controller.observer import ModelObserver
-from controller.signals import ModelCounters
-from controller.types import GpuObservation, Settings
+from controller.signals import BatchStat, ModelCounters, StatsCounters
+from controller.types import GpuObservation, Observation, Settings
 
 LIVE = Settings(1, 0)
 
@@ -89,14 +89,13 @@ def mixed_counters(f: float) -> ModelCounters:
                          request_us=28_000_000 * f, pending=0.0)
 
 
-def mixed_stats(f: float, scale: float = 1.0):
-    from controller.signals import BatchStat, StatsCounters
-    rows = {1: BatchStat(round(100 * f * scale), 0, round(500e6 * f * scale), 0),
-            9: BatchStat(round(100 * f * scale), 0, round(3000e6 * f * scale), 0)}
-    return StatsCounters(inference_count=round(1000 * f * scale), execution_count=round(200 * f * scale), batch_stats=rows)
+def mixed_stats(f: float) -> StatsCounters:
+    """The example's statistics after the share f of its 10 s: each execution once, in its batch size's row."""
+    rows = {1: BatchStat(round(100 * f), 0, round(500e6 * f), 0), 9: BatchStat(round(100 * f), 0, round(3000e6 * f), 0)}
+    return StatsCounters(inference_count=round(1000 * f), execution_count=round(200 * f), batch_stats=rows)
 
 
-def run_mixed(stats_at) -> "object":
+def run_mixed(stats_at) -> Observation:
     o = ModelObserver("m", window_s=10.0, settle_s=0.0)
     for t in range(0, 11):
         o.add_scrape(float(t), mixed_counters(t / 10), stats_at(t), LIVE)
@@ -125,7 +124,6 @@ def test_busy_falls_back_where_the_statistics_break_within_the_window():
 
 def test_busy_keeps_the_estimate_where_batch_stats_miss_the_executions():
     # an ensemble, for one, reports executions in /metrics but no batch_stats rows
-    from controller.signals import StatsCounters
     obs = run_mixed(lambda t: StatsCounters(inference_count=100 * t, execution_count=20 * t))
     assert obs.busy_source == "requests" and abs(obs.busy_fraction - 0.55) < 1e-9
 
