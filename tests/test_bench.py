@@ -432,8 +432,44 @@ def test_bench_end_to_end_tiny_scenario(tmp_path, capsys):
                                  "max_reaction_s", "first_good_config_s", "controller_cpu_pct"}
     assert all(t["met"] in (True, False) for t in s["targets"].values())
     assert (out / "timeline.png").stat().st_size > 10_000
+    for name, a in s["arms"].items():      # the server's own time per execution, read in every arm
+        by_phase = a["server_exec_ms_by_phase"]
+        assert set(by_phase) == {"low", "high"}, name
+        assert 7.0 < by_phase["low"]["1"] < 25.0, (name, by_phase)    # sim_accel: 7.5 ms of sleeps at batch 1
     printed = capsys.readouterr().out
     assert "adaptive_vs_default" in printed and "best_static" in printed
+    assert "server ms per execution of 1 (per phase):" in printed
+
+
+def _stats(**sizes):
+    from controller.signals import BatchStat, StatsCounters
+    return StatsCounters(execution_count=sum(n for n, _ in sizes.values()),
+                         batch_stats={int(k[1:]): BatchStat(n, 0, ns, 0) for k, (n, ns) in sizes.items()})
+
+
+def test_server_exec_ms_by_phase_docstring_example_and_phases():
+    from controller.evaluation.bench import server_exec_ms_by_phase
+    one = load_trace({"phases": [{"name": "p", "duration_s": 4, "rate_rps": 10}]})
+    samples = [(0.0, {"m": _stats(b2=(0, 0))}), (2.0, {"m": _stats(b2=(100, int(1.0e9)))}),
+               (4.0, {"m": _stats(b2=(300, int(3.2e9)))})]
+    assert server_exec_ms_by_phase(samples, "m", one) == {"p": {"2": 10.667}}
+    # two phases: each pair counts where its midpoint falls; too few executions are left out
+    two = load_trace({"phases": [{"name": "a", "duration_s": 2, "rate_rps": 10},
+                                 {"name": "b", "duration_s": 2, "rate_rps": 10}]})
+    samples = [(0.0, {"m": _stats(b1=(0, 0), b2=(0, 0))}), (1.0, {"m": _stats(b1=(50, int(4e8)), b2=(5, int(5e7)))}),
+               (3.0, {"m": _stats(b1=(60, int(5e8)), b2=(45, int(4.5e8)))})]
+    assert server_exec_ms_by_phase(samples, "m", two) == {"a": {"1": 8.0}, "b": {"2": 10.0}}
+    assert server_exec_ms_by_phase(samples, "other", two) == {"a": {}, "b": {}}
+
+
+def test_server_exec_ms_by_phase_skips_a_restart_of_the_counters():
+    from controller.evaluation.bench import server_exec_ms_by_phase
+    one = load_trace({"phases": [{"name": "p", "duration_s": 6, "rate_rps": 10}]})
+    samples = [(0.0, {"m": _stats(b1=(0, 0))}), (2.0, {"m": _stats(b1=(100, int(8e8)))}),
+               (4.0, {"m": _stats(b1=(10, int(9e9)))}),          # a full reload: the counters restarted
+               (6.0, {"m": _stats(b1=(110, int(9.9e9)))})]
+    # 0-2 s: 100 at 8 ms; 2-4 s across the restart: skipped; 4-6 s: 100 at 9 ms
+    assert server_exec_ms_by_phase(samples, "m", one) == {"p": {"1": 8.5}}
 
 
 # -- the controller's latency reading vs the clients' (issue 9) ------------------------------------

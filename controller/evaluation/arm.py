@@ -11,7 +11,9 @@
    `--duration-s` so it stops by itself), and gives it `CONTROLLER_LEAD_S`; one that exits before
    the traffic fails the arm;
 4. replays each model's open-loop schedule (one thread per model when there are several), with an
-   optional helper running beside the traffic (the oracle's switcher);
+   optional helper running beside the traffic (the oracle's switcher) and, in every arm alike, a
+   `StatsSampler` reading the server's statistics every `STATS_EVERY_S` (so the bench can say how long
+   the server took per execution in each phase: a slower server and a longer queue are told apart);
 5. after the traffic: reads the controller's CPU, stops it (SIGTERM, then SIGKILL), reads its
    decision log back, and reads the live settings of every model;
 6. in `finally`, whatever happened: stops the helper, kills the controller if it still runs, closes
@@ -42,6 +44,7 @@ from .loadgen import RequestRecord, make_inputs_from_config, run_open_loop_sync
 CONTROLLER_LEAD_S = 2.0            # the controller process starts this long before the traffic
 CONTROLLER_STOP_S = 15.0           # SIGTERM, then SIGKILL after this long
 REQUEST_TIMEOUT_S = 10.0
+STATS_EVERY_S = 2.0                # the StatsSampler's period
 
 
 class Helper(Protocol):
@@ -85,6 +88,8 @@ class ArmRun:
     controller: dict | None = None              # cpu_pct, cpu_pct_incl_startup, cpu_s, exit_code
     decisions: list[dict] = field(default_factory=list)
     observation_log: Path | None = None
+    stats_samples: list[tuple[float, dict]] = field(default_factory=list)   # StatsSampler.samples
+
 
     def applied_changes(self) -> list[dict]:
         """The controller's applied changes, `t` in seconds from the traffic start (decision log records)."""
@@ -98,6 +103,39 @@ class ArmRun:
                         "kind": rec.get("kind"), "reason": rec.get("reason"), "apply_s": rec.get("apply_s"),
                         "detail": rec.get("detail")})
         return out
+
+
+class StatsSampler(threading.Thread):
+    """Reads every model's statistics (`GET /v2/models/stats`, one request) every `every_s` during an arm's
+    traffic. `samples` is [(seconds since the traffic start, {model: StatsCounters})]; a failed read is
+    skipped. One request every 2 s is far less than the controller's own reads (one a second), and every arm
+    gets it, so it costs all arms alike."""
+
+    def __init__(self, http_url: str, metrics_url: str, t0: float, every_s: float = STATS_EVERY_S):
+        super().__init__(daemon=True, name="stats-sampler")
+        from ..signals import Scraper
+        self.scraper = Scraper(metrics_url, http_url)
+        self.t0, self.every_s = t0, every_s
+        self.samples: list[tuple[float, dict]] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            self._read()
+            if self.stop_event.wait(self.every_s):
+                self._read()            # the traffic's end
+                return
+
+    def _read(self) -> None:
+        t = time.monotonic() - self.t0
+        stats = self.scraper.all_stats()
+        if stats is not None:
+            self.samples.append((round(t, 3), stats))
+
+    def stop(self) -> list[tuple[float, dict]]:
+        self.stop_event.set()
+        self.join(timeout=10)
+        return self.samples
 
 
 def controller_run_s(traffic_s: float) -> float:
@@ -202,7 +240,7 @@ def run_arm(spec: ArmSpec) -> ArmRun:
         server_start_s = time.monotonic() - t_start
         control = TritonControl(server.grpc_url, server.http_url)
         actuator = Actuator(control)
-        controller = helper = None
+        controller = helper = sampler = None
         try:
             for name in spec.models:
                 result = actuator.apply(name, spec.initial[name])
@@ -223,9 +261,12 @@ def run_arm(spec: ArmSpec) -> ArmRun:
             wall0, t0 = time.time(), time.monotonic()
             if spec.helper is not None:
                 helper = spec.helper(server, t0)
+            sampler = StatsSampler(server.http_url, server.metrics_url, t0)
+            sampler.start()
             records = _drive(server.grpc_url, {n: spec.schedules[n] for n in spec.models}, inputs)
             traffic_s = time.monotonic() - t0
             run = ArmRun(records, wall0, round(traffic_s, 2), round(server_start_s, 2), live_at_end={})
+            run.stats_samples, sampler = sampler.stop(), None
             if helper is not None:
                 run.helper_events, helper = helper.stop(), None
             if controller is not None:
@@ -247,6 +288,8 @@ def run_arm(spec: ArmSpec) -> ArmRun:
         finally:
             if helper is not None:
                 helper.stop()
+            if sampler is not None:
+                sampler.stop()
             if controller is not None and controller.poll() is None:
                 controller.kill()
                 controller.wait(timeout=10)

@@ -353,6 +353,41 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
             "trace_share_busy": _round(sum(o["p99_source"] == "trace" for o in busy) / len(busy), 3) if busy else None}
 
 
+SERVER_EXEC_MIN = 20            # executions of one batch size in a phase before its mean time is reported
+
+
+def server_exec_ms_by_phase(samples: Sequence[tuple[float, dict]], model: str, trace: Trace,
+                            min_executions: int = SERVER_EXEC_MIN) -> dict[str, dict[str, float]]:
+    """Per phase, the server's mean compute time per execution (ms) at each batch size, from the arm's
+    statistics samples (`arm.StatsSampler`: seconds since the traffic start, {model: StatsCounters}).
+
+    Why: an arm's p99 can be higher because its server ran each execution slower or because more requests
+    queued; the same batch size's time, phase by phase, in every arm of one run tells the two apart.
+    Each pair of consecutive samples counts in the phase holding its midpoint; a pair across a restart of
+    the counters (a full reload) counts nowhere. Sizes with fewer than `min_executions` in a phase are
+    left out. Example: samples at 0, 2 and 4 s, size 2 at (0, 0 ns), (100, 1.0e9 ns), (300, 3.2e9 ns), in one
+    phase of 0-4 s: {"p": {"2": 10.667}} (3,200 ms over 300 executions, rounded to 3 decimals; the sizes are
+    strings, as in summary.json).
+    """
+    from ..service import batch_deltas, counters_restarted
+
+    sums: dict[str, dict[int, list[int]]] = {p.name: {} for p in trace.phases}
+    pairs = [(a, b) for a, b in zip(samples, samples[1:]) if model in a[1] and model in b[1]]
+    for (t_a, before), (t_b, after) in pairs:
+        if counters_restarted(before[model], after[model]):
+            continue
+        mid = (t_a + t_b) / 2
+        phase = next((p for p in trace.phases if p.start_s <= mid < p.end_s), None)
+        if phase is None:
+            continue
+        for size, (executions, ns) in batch_deltas(before[model], after[model]).items():
+            acc = sums[phase.name].setdefault(size, [0, 0])
+            acc[0] += executions
+            acc[1] += ns
+    return {name: {str(size): round(ns / n / 1e6, 3) for size, (n, ns) in sorted(by_size.items()) if n >= min_executions}
+            for name, by_size in sums.items()}
+
+
 def _round(x: float | None, n: int = 2) -> float | None:
     return None if x is None else round(x, n)
 
@@ -541,6 +576,7 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
                                "modes_logged": modes}
     events.sort(key=lambda e: e["t"])
     extra["live_at_end"] = settings_dict(run.live_at_end[opts.model])
+    extra["server_exec_ms_by_phase"] = server_exec_ms_by_phase(run.stats_samples, opts.model, trace)
     extra.update(server_start_s=run.server_start_s, traffic_s=run.traffic_s)
     return {"records": run.records[opts.model], "events": events, "extra": extra}
 
@@ -622,6 +658,20 @@ def _f(x, fmt="{:.1f}") -> str:
     return "-" if x is None else ("never" if x == "never" else fmt.format(x))
 
 
+def server_exec_lines(arms: dict[str, dict], w: int = 12) -> list[str]:
+    """The server's ms per execution at batch sizes 1 and 2, per phase and arm ('-': too few executions)."""
+    lines = []
+    for size in (1, 2):
+        rows = [(name, a.get("server_exec_ms_by_phase") or {}) for name, a in arms.items()]
+        if not any(str(size) in by_size for _, phases in rows for by_size in phases.values()):
+            continue
+        lines.append(f"server ms per execution of {size} (per phase):")
+        for name, phases in rows:
+            lines.append(f"  {name:<{w}} " + ", ".join(f"{ph} {_f(by_size.get(str(size)), '{:.2f}')}"
+                                                        for ph, by_size in phases.items()))
+    return lines
+
+
 def format_summary(summary: dict) -> str:
     w = max([12] + [len(n) for n in summary["arms"]])       # model_analyzer is 14 characters
     lines = [f"{'arm':<{w}} {'goodput/s':>9} {'p99_ms':>8} {'worst phase p99':>16} {'failed':>6} "
@@ -641,6 +691,7 @@ def format_summary(summary: dict) -> str:
         lines.append("scale-up lag behind the oracle (s): " + (", ".join(
             f"at {x['at_s']:g} s to {x['oracle_instances']} inst: {_f(x['lag_s'], '{:.0f}') if x['lag_s'] is not None else 'never'}"
             for x in summary["scale_up_lag_s"]) or "the oracle never scales up"))
+    lines.extend(server_exec_lines(summary["arms"], w))
     lines.append(f"first_good_config_s: {_f(summary['first_good_config_s'], '{:.0f}')}, "
                  f"controller_cpu_pct: {_f(summary['controller_cpu_pct'], '{:.2f}')}")
     if summary.get("model_analyzer"):
