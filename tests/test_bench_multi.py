@@ -68,6 +68,9 @@ models:
         assert arm["failed_requests"] == 0
         assert set(arm["models"]) == {"sim_a", "sim_b"}
         assert arm["models"]["sim_a"]["requests"] > 100 and arm["goodput_rps"] > 0
+        # the server's own time per execution, per model and phase (sim_accel: 7.5 ms of sleeps at batch 1)
+        assert 7.0 < arm["models"]["sim_a"]["server_exec_ms_by_phase"]["a1"]["1"] < 25.0
+        assert set(arm["models"]["sim_b"]["server_exec_ms_by_phase"]) == {"b1", "b2"}
     assert summary["arms"]["static_1+2"]["instance_seconds"] == pytest.approx(3 * 8, rel=0.01)
     assert summary["best_static"] in ("static_1+2", "static_2+1")
     assert summary["targets"]["within_budget"]["met"]
@@ -79,4 +82,5 @@ models:
     assert summary["ratios"]["ceiling_vs_best_static_split"] >= 0.99 * max(
         a["goodput_rps"] for a in summary["arms"].values()) / summary["arms"][summary["best_static"]]["goodput_rps"]
     assert "the most any arm can reach" in format_summary(summary)
+    assert "sim_b: server ms per execution of 1 (per phase):" in format_summary(summary)
     assert (tmp_path / "out" / "timeline.png").stat().st_size > 10_000

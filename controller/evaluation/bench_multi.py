@@ -34,7 +34,7 @@ import yaml
 from ..types import Settings
 from .arm import ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
 from .arm import run_arm as run_shared_arm
-from .bench import instance_seconds, ratio
+from .bench import instance_seconds, ratio, server_exec_lines, server_exec_ms_by_phase
 from .loadgen import Trace, TraceError, load_trace, poisson_schedule, summarize
 
 SIM_MEMORY_MB = 64            # what one sim_accel instance reports (its instance_memory_mb)
@@ -131,7 +131,8 @@ def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path
         extra["controller_cpu_pct"] = run.controller["cpu_pct"]
         extra["peak_instances_total"] = _peak_total(events)
     extra["live_at_end"] = {n: settings_dict(run.live_at_end[n]) for n in names}
-    return {"records": run.records, "events": events, "extra": extra}
+    server_exec = {n: server_exec_ms_by_phase(run.stats_samples, n, sc.models[n]) for n in names}
+    return {"records": run.records, "events": events, "extra": extra, "server_exec": server_exec}
 
 
 def _peak_total(events: dict[str, list[tuple[float, int]]]) -> int:
@@ -152,6 +153,7 @@ def arm_summary(run: dict, sc: Scenario) -> tuple[dict, dict[str, list[dict]]]:
             "p99_ms": float(np.percentile(ok_ms, 99)) if ok_ms.size else None,
             "p99_ms_by_phase": {p.name: p.p99_ms for p in s.phases},
             "instance_seconds": instance_seconds(run["events"][name], trace.duration_s),
+            "server_exec_ms_by_phase": run["server_exec"][name],
         }
         bins[name] = [dataclasses.asdict(b) for b in s.bins]
     entry = {
@@ -257,6 +259,9 @@ def format_summary(summary: dict) -> str:
     if ceiling is not None:
         lines.append(f"offered {summary['offered_rps']:.1f} req/s: every request within the SLA would be "
                      f"{ceiling:.2f}x the best static split, the most any arm can reach on this schedule")
+    for name in names:
+        for line in server_exec_lines({arm: a["models"][name] for arm, a in summary["arms"].items()}, 14):
+            lines.append(f"{name}: {line}" if not line.startswith(" ") else line)
     for k, t in summary["targets"].items():
         lines.append(f"  {k}: {t['value']} ({'met' if t['met'] else 'MISSED'}, threshold {t['threshold']})")
     return "\n".join(lines)
