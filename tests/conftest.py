@@ -22,6 +22,15 @@ os.environ["TRITON_AUTOTUNE_RUN_DIR"] = tempfile.mkdtemp(prefix="triton-autotune
 atexit.register(shutil.rmtree, os.environ["TRITON_AUTOTUNE_RUN_DIR"], True)
 
 
+def process_alive(pid: int | str) -> bool:
+    """Running, not a zombie (this container's init may not reap orphans): /proc/<pid>/stat's state is not Z."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def live_stubs(server: TritonServer) -> dict[int, list[str]]:
     """The live (not zombie) `triton_python_backend_stub` children of a started server: pid -> argv
     (argv[1] is the model's model.py, argv[-2] the instance's name)."""
@@ -31,11 +40,9 @@ def live_stubs(server: TritonServer) -> dict[int, list[str]]:
         try:
             with open(f"/proc/{k}/cmdline", "rb") as f:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-            with open(f"/proc/{k}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if argv and argv[0].endswith("triton_python_backend_stub") and state != "Z":
+        if argv and argv[0].endswith("triton_python_backend_stub") and process_alive(k):
             out[int(k)] = argv
     return out
 

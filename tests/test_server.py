@@ -17,7 +17,7 @@ import torch
 import tritonclient.http as http
 
 import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on sys.path)
-from conftest import ROOT, start_server
+from conftest import ROOT, process_alive, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, remove_shm_regions,
                                spawn_dying_with_parent)
@@ -252,7 +252,7 @@ def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
     assert "stopped" in rest
     left = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout.split()
     assert not left
-    assert not [pid for pid in stub_pids if _alive(pid)]
+    assert not [pid for pid in stub_pids if process_alive(pid)]
     assert not list(Path("/dev/shm").glob(f"{prefix}*")), "no shared-memory region outlives the server"
 
 
@@ -271,15 +271,6 @@ def test_a_users_own_shm_prefix_is_kept():
     theirs = TritonServer(ServerOptions(extra_args=["--backend-config=python,shm-region-prefix-name=mine_"]))
     cmd = theirs.command(Path("tritonserver"), None)
     assert [a for a in cmd if "shm-region-prefix-name" in a] == ["--backend-config=python,shm-region-prefix-name=mine_"]
-
-
-def _alive(pid: str) -> bool:
-    """Running, not a zombie (this container's init may not reap orphans)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _children_of(pids: list[str]) -> list[str]:
@@ -312,12 +303,12 @@ def test_a_started_server_dies_with_the_process_that_started_it():
         parent.kill()                                 # kill -9: no cleanup of its own
         parent.wait()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and process_alive(pid):
             time.sleep(0.05)
-        assert not _alive(pid), "the command outlived the process that started it"
+        assert not process_alive(pid), "the command outlived the process that started it"
     finally:
         parent.kill()
-        if _alive(pid) and argv() == [b"sleep", b"60"]:
+        if process_alive(pid) and argv() == [b"sleep", b"60"]:
             os.kill(int(pid), 9)
 
 
