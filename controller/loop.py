@@ -128,6 +128,8 @@ def summarize_obs(obs: Observation) -> dict:
            "mean_ms": r(obs.request_ms_mean)}
     if obs.p99_source == "trace":
         out["p99_samples"] = obs.p99_samples
+    if obs.warming_up:
+        out["warming_up"] = True
     if obs.predicted_p99_ms is not None:
         out["predicted_p99_ms"] = r(obs.predicted_p99_ms)
     if obs.service is not None:

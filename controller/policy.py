@@ -601,8 +601,9 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
     ceiling, cap = instance_ceiling(current, limits, state, obs, now)
     if n > ceiling or n < limits.min_instances:
         return None, state, None
-    pstate = planner.record_ratio(state.plan, obs.p99_ms, obs.predicted_p99_ms, obs.p99_source, obs.p99_samples, now,
-                                  current, since=obs.since)
+    # why: a span holding the model's first executions measures its warm-up, not the model (observer._warming_up)
+    pstate = state.plan if obs.warming_up else planner.record_ratio(
+        state.plan, obs.p99_ms, obs.predicted_p99_ms, obs.p99_source, obs.p99_samples, now, current, since=obs.since)
     delay_allowed = (limits.max_delay_us > limits.min_delay_us
                      and now - state.last_delay_change_at >= limits.delay_cooldown_s
                      and full_reload_fits(current, limits, state, obs))

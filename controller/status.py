@@ -306,7 +306,9 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                 source = o.get("p99_source", "?")
                 if o.get("p99_samples"):
                     source += f", {o['p99_samples']} samples"
-                rows.append(("p99", f"{_num(o['p99_ms'], 2)} ms  from {source}  (tracing {m.get('tracing', '?')})"))
+                warm = "; warming up: the model's first executions since it loaded, not held against its model" \
+                    if o.get("warming_up") else ""
+                rows.append(("p99", f"{_num(o['p99_ms'], 2)} ms  from {source}  (tracing {m.get('tracing', '?')}){warm}"))
             else:
                 none = "none: no requests in the window" if not o.get("completion_rps") else "none yet"
                 rows.append(("p99", f"{none} (tracing {m.get('tracing', '?')})"))

@@ -189,6 +189,11 @@ def test_the_text_is_one_aligned_block_per_model():
     assert rows_est["per request"] == "queue 1.25 ms + compute 8.10 ms; busy 45% (estimated), 1.80 per batch"
     exact = dict(SEEN, obs=dict(SEEN["obs"], busy_source="batch_stats"))
     assert "busy 45%, 1.80" in "\n".join(format_model("sim_accel", exact))
+    # a window holding the model's first executions since it loaded says so beside its p99
+    warm = dict(SEEN, obs=dict(SEEN["obs"], warming_up=True))
+    rows_warm = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", warm)[1:])
+    assert rows_warm["p99"] == ("12.34 ms  from trace, 240 samples  (tracing on, 1 in 7 requests); warming up: the "
+                                "model's first executions since it loaded, not held against its model")
     assert rows["last change"].endswith("(2m 10s ago) 1 -> 2 instances, delay 0 us: ScaleUpQueueGrowing (in place, 0.7 s)")
 
 

@@ -135,3 +135,35 @@ def test_busy_uses_only_the_fresh_span_and_the_live_instance_count():
     o.mark_change(4.0)           # fresh from 6 s: 4 s of a steady 0.35 instance-seconds per second over 2 instances
     obs = o.observe(10.0, Settings(2, 0))
     assert obs.span_s == 4.0 and obs.busy_source == "batch_stats" and abs(obs.busy_fraction - 0.175) < 1e-9
+
+
+# The warm-up: a span that began before the model's first WARMUP_EXECUTIONS executions since its load.
+
+def _since_load(executions: int, batch_stats: bool = True) -> StatsCounters:
+    rows = {1: BatchStat(executions, 0, executions * 8_000_000, 0)} if batch_stats else {}
+    return StatsCounters(inference_count=executions, execution_count=executions, batch_stats=rows)
+
+
+def _observe_at(t_obs: float, stats_at, settle_s: float = 0.0, change_at: float | None = None) -> Observation:
+    o = ModelObserver("m", window_s=10.0, settle_s=settle_s)
+    for t in range(0, int(t_obs) + 1):
+        o.add_scrape(float(t), counters(t, 10.0), stats_at(t), LIVE)
+        if change_at is not None and t == change_at:
+            o.mark_change(float(t))
+    return o.observe(t_obs, LIVE)
+
+
+def test_a_span_from_the_models_first_executions_is_warming_up():
+    from controller.observer import WARMUP_EXECUTIONS
+    assert WARMUP_EXECUTIONS == 50
+    fresh = lambda t: _since_load(10 * t)                     # noqa: E731 - loaded at 0, 10 executions a second
+    assert _observe_at(10.0, fresh).warming_up                # the span 0-10 s holds executions 1-100
+    assert not _observe_at(20.0, fresh).warming_up            # 10-20 s: from the 100th on
+    assert not _observe_at(10.0, lambda t: _since_load(60 + 10 * t)).warming_up   # a warm server (60 before)
+    # unknown: no statistics, or statistics that count no execution (an ensemble has no batch_stats rows)
+    assert not _observe_at(10.0, lambda t: None).warming_up
+    assert not _observe_at(10.0, lambda t: _since_load(10 * t, batch_stats=False)).warming_up
+    # a full reload at 12 s restarts the count: the fresh span after it (from 12 s) holds its first executions
+    reload = lambda t: _since_load(10 * t) if t < 12 else _since_load(10 * (t - 12))   # noqa: E731
+    assert _observe_at(18.0, reload, change_at=12).warming_up
+    assert not _observe_at(30.0, reload, change_at=12).warming_up

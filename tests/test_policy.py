@@ -1298,3 +1298,27 @@ def test_observed_ok_holds_a_scale_up_only_on_evidence_of_the_same_traffic(kw, h
     assert (why is not None) == held
     if held:
         assert "observed p99 30.0 ms over 180 traced requests" in why and "reached 385 req/s" in why
+
+
+# =====================================================================================
+# the warm-up: a span holding the model's first executions sets no observed/predicted ratio
+# =====================================================================================
+
+def _first_windows(warming_up: bool):
+    """bursty r18's first window: 1 instance at 115 req/s, 43 ms traced over 308 requests, 19 ms predicted."""
+    from controller.service import fit_service
+    curve = fit_service({1: (200, 8.6), 2: (100, 10.1), 3: (50, 11.6)})
+    inputs = planner.PlanInputs(fits=((S(1), curve),), forecast=planner.Forecast.start(NOW, 115.0), max_batch=32,
+                                interval_s=1.0)
+    o = obs(since=NOW - 4.0, span_s=4.0, arrival_rps=115.0, completion_rps=115.0, p99_ms=43.1, p99_source="trace",
+            p99_samples=308, predicted_p99_ms=18.8, warming_up=warming_up)
+    return policy.decide_by_model(o, S(1), state(), limits(p99_target_ms=40.0), NOW, inputs)
+
+
+def test_a_warming_up_span_records_no_ratio_and_does_not_set_the_planner_aside():
+    decision, after, why = _first_windows(warming_up=False)
+    assert decision is None and "2.29x the predicted" in why          # as before: the reactive rules decide
+    assert [round(r, 2) for _, r in after.plan.ratios] == [2.29]
+    decision, after, why = _first_windows(warming_up=True)
+    assert why is None and decision.mode == "model" and decision.target == S(1)   # 115 req/s: one instance holds
+    assert after.plan.ratios == ()
