@@ -90,7 +90,6 @@ class ArmRun:
     observation_log: Path | None = None
     stats_samples: list[tuple[float, dict]] = field(default_factory=list)   # StatsSampler.samples
 
-
     def applied_changes(self) -> list[dict]:
         """The controller's applied changes, `t` in seconds from the traffic start (decision log records)."""
         out = []
