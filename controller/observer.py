@@ -143,8 +143,9 @@ class ModelObserver:
         span = min(self.window_s, max(0.0, now - self.fresh_from))
         obs = self.counters.observe(now, span, live.instance_count)
         if obs.valid:
-            obs = self._executing(obs, live.instance_count)
-            obs = self._warming_up(obs)
+            # the statistics read at the span's two ends, one lookup each for both uses
+            ends = self._executed_at(obs.since), self._executed_at(obs.since + obs.span_s)
+            obs = self._warming_up(self._executing(obs, live.instance_count, *ends), *ends)
         self._utilisation.append((now, {g.index: g.utilization_pct for g in devices if g.utilization_pct is not None}))
         while self._utilisation and self._utilisation[0][0] < now - self.counters.max_age_s:
             self._utilisation.popleft()
@@ -177,7 +178,12 @@ class ModelObserver:
             return None if single is None else single.p99_ms
         return mixture_p99(parts)
 
-    def _executing(self, obs: Observation, instance_count: int) -> Observation:
+    def _executed_at(self, t: float) -> tuple[int, int, int] | None:
+        """(chain, executions, ns executing) of the statistics read at the tick of time t, or None."""
+        return next(((c, n, ns) for u, c, n, ns in self._executed if abs(u - t) <= 1e-6), None)
+
+    def _executing(self, obs: Observation, instance_count: int, first: tuple[int, int, int] | None,
+                   last: tuple[int, int, int] | None) -> Observation:
         """The busy fraction from the statistics' `batch_stats`, which count each execution once, over the
         observation's own span; the counters' estimate (`signals.busy_fraction`) where they cannot give it.
 
@@ -191,11 +197,7 @@ class ModelObserver:
 
         Used only where the statistics were read at both ends of the span, without a restart or a missing
         tick between, and account for the executions the counters saw (a model without `batch_stats`
-        rows, an ensemble for one, keeps the estimate)."""
-        def at(t: float) -> tuple[int, int, int] | None:   # the statistics read at the tick of time t
-            return next(((c, n, ns) for u, c, n, ns in self._executed if abs(u - t) <= 1e-6), None)
-
-        first, last = at(obs.since), at(obs.since + obs.span_s)
+        rows, an ensemble for one, keeps the estimate). `first`, `last`: `_executed_at` the span's two ends."""
         if first is None or last is None or first[0] != last[0] or obs.span_s <= 0:
             return obs
         executions, ns = last[1] - first[1], last[2] - first[2]
@@ -204,7 +206,8 @@ class ModelObserver:
         busy = ns / 1e9 / obs.span_s / max(1, instance_count)
         return dataclasses.replace(obs, busy_fraction=busy, busy_source="batch_stats")
 
-    def _warming_up(self, obs: Observation) -> Observation:
+    def _warming_up(self, obs: Observation, first: tuple[int, int, int] | None,
+                    last: tuple[int, int, int] | None) -> Observation:
         """Mark a span that began before the model's first `WARMUP_EXECUTIONS` executions since it loaded
         (Triton's statistics count from the load, so a full reload starts the count again).
 
@@ -218,11 +221,7 @@ class ModelObserver:
         pod's CPU during its initialisation period. Unknown (no statistics at the span's start): not marked.
         Statistics that count no execution in the span (an ensemble has no `batch_stats` rows) say nothing.
         Example: the statistics show 12 executions since the load at the span's start and 480 at its end:
-        warming up; 60 and 480: not; 0 and 0 (an ensemble): not."""
-        def at(t: float) -> tuple[int, int] | None:     # (chain, executions since the load) at the tick of time t
-            return next(((c, n) for u, c, n, _ in self._executed if abs(u - t) <= 1e-6), None)
-
-        first, last = at(obs.since), at(obs.since + obs.span_s)
+        warming up; 60 and 480: not; 0 and 0 (an ensemble): not. `first`, `last`: as for `_executing`."""
         if first is None or last is None or first[0] != last[0] or last[1] <= first[1] or first[1] >= WARMUP_EXECUTIONS:
             return obs
         return dataclasses.replace(obs, warming_up=True)
