@@ -603,6 +603,71 @@ def test_ramp_scenario_scales_up_ahead_of_the_queue_and_down_by_consolidation_wi
     assert max(c[2].instance_count for c in ups) <= lim.max_instances
 
 
+def test_last_rise_docstring_example_and_a_fall_that_stays_down():
+    f = Forecast.start(0.0, 100.0)
+    for t in range(1, 18):
+        f = f.update(float(t), 370.0 if 1 <= t <= 4 or 11 <= t <= 14 else 100.0)
+    assert f.last_rise(120.0, 250.0) == 11.0
+    assert f.last_rise(120.0, 400.0) is None             # nothing rose past 400
+    assert f.last_rise(90.0, 250.0) is None              # nothing fell to 90: no lull to rise from
+    g = Forecast.start(0.0, 390.0)                       # a flash crowd, an afternoon, an evening fall
+    for t in range(1, 30):
+        g = g.update(float(t), 390.0 if t < 5 else (220.0 if t < 15 else 220.0 - 10.0 * (t - 15)))
+    assert g.last_rise(130.0, 250.0) is None
+    for t in range(18, 48):                               # a rise leaves the look-back after PEAK_S seconds
+        f = f.update(float(t), 100.0)
+    assert f.last_rise(120.0, 250.0) is None
+
+
+def _on_off(t: int) -> float:
+    """bursty.yaml's slow on/off phase for 60 s (4 s at 370 req/s every 10 s, 100 between), then 100 req/s."""
+    return 370.0 if t < 60 and t % 10 in (1, 2, 3, 4) else 100.0
+
+
+def _replay(rate_at, seconds: int, start: Settings, seed: int = 3):
+    """`choose` every 1-s tick on Poisson tick rates from `rate_at(t)`; a chosen change applies at once.
+    Returns [(t, reason, live after)]."""
+    rng = np.random.default_rng(seed)
+    f, state, live, out = None, PlannerState(), start, []
+    for t in range(seconds):
+        rate = float(rng.poisson(rate_at(t)))
+        f = Forecast.start(float(t), rate) if f is None else f.update(float(t), rate)
+        p = run(live, rate, inputs(1, 2, forecast=f), state, now=float(t))
+        state = p.state
+        if p.target is not None:
+            live = p.target
+        out.append((t, p.reason, live))
+    return out
+
+
+def test_no_scale_down_inside_the_lulls_of_recurring_bursts(monkeypatch):
+    # two instances carry the 370-req/s bursts, one carries ~320 under the margin: in each 6-s lull the
+    # forecast's high end falls to the lull's rate, and the consolidation used to follow it
+    with monkeypatch.context() as m:
+        m.setattr(Forecast, "last_rise", lambda self, low, high: None)     # the check off: as before it
+        before = _replay(_on_off, 100, S(2))
+    assert sum(r == "ScaleDownConsolidated" for t, r, _ in before if t < 60) >= 2, before
+    steps = _replay(_on_off, 100, S(2))
+    assert [(t, r) for t, r, _ in steps if t < 60 and r.startswith("Scale")] == []      # no change in the bursts
+    assert all(live == S(2) for t, _, live in steps if t < 60)
+    assert sum(r == "HoldRecurringLoad" for _, r, _ in steps) >= 10, steps
+    # the last burst rose at 51 s from the lull at 50: one instance once that is 30 s ago, not later
+    down = next(t for t, r, _ in steps if r == "ScaleDownConsolidated")
+    assert 80 <= down <= 82, steps[75:]
+    assert steps[-1][2] == S(1)
+
+
+def test_a_load_that_falls_and_stays_down_is_followed_as_before(monkeypatch):
+    # shift's flash crowd, afternoon and evening fall: no rise from a lull, so nothing waits
+    def evening(t: int) -> float:
+        return 390.0 if t < 15 else (220.0 if t < 40 else max(60.0, 220.0 - 6.4 * (t - 40)))
+    steps = _replay(evening, 80, S(2), seed=4)
+    monkeypatch.setattr(Forecast, "last_rise", lambda self, low, high: None)
+    without = _replay(evening, 80, S(2), seed=4)
+    assert [r for _, r, _ in steps] == [r for _, r, _ in without]
+    assert "ScaleDownConsolidated" in {r for _, r, _ in steps} and steps[-1][2] == S(1)
+
+
 def test_consolidation_goes_to_the_fewest_under_the_stricter_margin_not_to_the_fewest_under_the_looser():
     # at this load 1 instance sits between 0.8x and 0.9x of the target (the choice under 0.9x), 2 well
     # under 0.8x: from 4 instances the consolidation goes to 2, not nowhere
