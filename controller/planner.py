@@ -619,8 +619,8 @@ def capacity_rps(settings: Settings, model: ServiceModel, max_batch: int, correc
 
 MARGIN = 0.9                 # a configuration is chosen when its predicted p99 stays under 0.9 x the target
 CONSOLIDATE_MARGIN = 0.8     # ... and a smaller one replaces the live one only under 0.8 x the target ...
-CONSOLIDATE_TICKS = 3        # ... on this many decisions in a row (and not while a rise from a lull past what it
-                             # carries is in the forecast's look-back: `choose`'s `in_a_lull`)
+CONSOLIDATE_TICKS = 3        # ... on this many decisions in a row (and carrying any rise from a lull in the
+                             # forecast's look-back: `choose`'s `past_rise`)
 NO_GAIN = 1.05               # ... or when the instances it drops buy nothing: its p99 within 5% of the live one's
 CORRECTION_BOUNDS = (0.67, 1.5)  # observed/predicted p99 is applied within these bounds ...
 DISAGREE = 0.5               # ... and when its median is off by more than 50%, the model is not trusted
@@ -835,56 +835,70 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
                 return c
         return None
 
-    def in_a_lull(chosen: Candidate) -> str | None:
-        """Why a consolidation to `chosen` waits (None: it need not): in the last PEAK_S seconds the load rose
-        from a lull (a tick at or under the forecast's high end, where `chosen` was just found to fit) past what
-        `chosen` carries under the margin. The wait ends when that rise leaves the look-back.
+    def past_rise(s: Settings) -> tuple[Settings | None, str | None]:
+        """Where a consolidation to `s` may go while the load comes back in bursts: (`s`, None) where in the
+        last PEAK_S seconds it did not rise from a lull (a tick at or under the forecast's high end, where `s`
+        was just found to fit) past what `s` carries under the margin; else the fewest instances between `s`
+        and the live count (at `s`'s delay) predicted under the margin at that look-back's peak, with why (None
+        and why where only the live count carries it: nothing goes until the rise has left the look-back).
 
         Why: scaling down in a lull of recurring bursts is undone by the next burst, after it has queued for a
         reload's time. The forecast's high end looks only a reload ahead, and in the lulls of a slow on/off load
         (4-s bursts every 10 s) it fell to the lull's rate: bursty r19 went 2 -> 1 instance in a lull and back
         to 2 at the next burst, p99 42-44 ms there against a 40-ms target. Kubernetes' HPA holds every
-        scale-down for a look-back (5 minutes by default) for this; here only a load seen to come back waits,
-        so one that falls and stays down (an evening) is followed at once.
-        Example: bursts of 370 req/s for 4 s every 10 s over 100 req/s, one instance carrying ~260: in every
-        lull the last rise is under 10 s old, so 2 instances stay until 30 s after the last burst began."""
+        scale-down at the highest recommendation of a look-back (5 minutes by default) for this; here only a
+        load seen to come back is held to its peak, so one that falls and stays down (an evening) is followed
+        at once. Example: bursts of 370 req/s for 4 s every 10 s over 100 req/s, one instance carrying ~260:
+        in every lull the last rise is under 10 s old, so 2 instances stay until 30 s after the last burst
+        began; from 4 instances the consolidation goes to 2 in the first lull, not to 1."""
         f = inputs.forecast
         if f is None or f.ticks < 3:
-            return None
-        s = chosen.settings
+            return s, None
         own = factor if s == live else config_correction(state, s, factor, now)
         peak = max(r for _, r in f.peaks)
         top = predict(s, peak, model, mb, own, limit, device)
         if top is None or top.meets:
-            return None
+            return s, None
         carries = max(capacity_rps(s, model, mb, own, limit, device, upper=peak) or 0.0, hi)
         rise = f.last_rise(hi, carries)
         if rise is None:
-            return None
-        return (f"{_fmt_settings(s)} predicted {chosen.p99_ms:.1f} ms, but the load rose from a lull past the "
-                f"{carries:.0f} req/s it carries {f.t - rise:.0f} s ago: waiting until that is {f.PEAK_S:.0f} s ago")
+            return s, None
+        why = (f"the load rose from a lull past the {carries:.0f} req/s {_fmt_settings(s)} carries {f.t - rise:.0f} s "
+               f"ago (peak {peak:.0f} req/s in the last {f.PEAK_S:.0f} s)")
+        for n in range(s.instance_count + 1, live.instance_count):
+            bigger = Settings(n, s.max_queue_delay_us)
+            if not reloadable(bigger):
+                break
+            c = predict(bigger, peak, model, mb, config_correction(state, bigger, factor, now), limit, device)
+            if c is not None and c.meets:
+                return bigger, f"{_fmt_settings(bigger)}, not {_fmt_settings(s)}: {why}"
+        return None, f"{_fmt_settings(s)} predicted {at_hi(s).p99_ms:.1f} ms now, but {why}: waiting until that is " \
+                     f"{f.PEAK_S:.0f} s ago"
 
     def consolidate(chosen: Candidate, why: str) -> Plan:
         """`chosen`, a smaller configuration, once it was found CONSOLIDATE_TICKS decisions in a row (the
-        largest of those found, the safe one) and `in_a_lull` does not hold it; a pending hold before."""
-        spare = max(0, live.instance_count - max(chosen.settings.instance_count, min_instances))
+        largest of those found, the safe one, or a larger one still that `past_rise` asks for); a pending hold
+        before."""
         ticks = state.smaller_ticks + 1
         best = chosen.settings if state.smaller_best is None else max(
             state.smaller_best, chosen.settings, key=lambda s: (s.instance_count, s.max_queue_delay_us))
         st = dataclasses.replace(state, smaller_ticks=ticks, smaller_best=best)
-        lull = in_a_lull(chosen)
-        if lull is not None:
-            # the checks keep counting (the change follows as soon as the lull has lasted); the instances are
-            # not spare meanwhile: the next burst needs them
-            return Plan(None, "HoldRecurringLoad", f"{lull}; {where}", usable=True, chosen=chosen, state=st,
+        target, rise = past_rise(best)
+        if target is None:
+            # the checks keep counting (the change follows once the rise has left the look-back); the instances
+            # are not spare meanwhile: the next burst needs them
+            return Plan(None, "HoldRecurringLoad", f"{rise}; {where}", usable=True, chosen=chosen, state=st,
                         **common)
+        spare = max(0, live.instance_count - max((chosen.settings if rise is None else target).instance_count,
+                                                 min_instances))
+        rise = "" if rise is None else f"; {rise}"
         if ticks < CONSOLIDATE_TICKS:
             return Plan(None, "HoldConsolidationPending", f"{_fmt_settings(chosen.settings)} predicted "
-                        f"{chosen.p99_ms:.1f} ms, {why} ({ticks}/{CONSOLIDATE_TICKS}); {where}", usable=True,
+                        f"{chosen.p99_ms:.1f} ms, {why} ({ticks}/{CONSOLIDATE_TICKS}){rise}; {where}", usable=True,
                         chosen=chosen, state=st, spare=spare, **common)
-        return Plan(best, change_reason(live, best, "Consolidated"), f"{_fmt_settings(best)} predicted {why} "
-                    f"{CONSOLIDATE_TICKS} times in a row; {where}", usable=True, chosen=at_hi(best) or chosen,
-                    state=keep, spare=spare, **common)
+        return Plan(target, change_reason(live, target, "Consolidated"), f"{_fmt_settings(best)} predicted {why} "
+                    f"{CONSOLIDATE_TICKS} times in a row{rise}; {where}", usable=True,
+                    chosen=at_hi(target) or chosen, state=keep, spare=spare, **common)
 
     def sustained_rps(s: Settings) -> float | None:
         """How much of the forecast's high end `s` is predicted to sustain at all (any latency: its queue

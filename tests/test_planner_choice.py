@@ -624,7 +624,7 @@ def _on_off(t: int) -> float:
     return 370.0 if t < 60 and t % 10 in (1, 2, 3, 4) else 100.0
 
 
-def _replay(rate_at, seconds: int, start: Settings, seed: int = 3):
+def _replay(rate_at, seconds: int, start: Settings, seed: int = 3, counts=(1, 2)):
     """`choose` every 1-s tick on Poisson tick rates from `rate_at(t)`; a chosen change applies at once.
     Returns [(t, reason, live after)]."""
     rng = np.random.default_rng(seed)
@@ -632,7 +632,7 @@ def _replay(rate_at, seconds: int, start: Settings, seed: int = 3):
     for t in range(seconds):
         rate = float(rng.poisson(rate_at(t)))
         f = Forecast.start(float(t), rate) if f is None else f.update(float(t), rate)
-        p = run(live, rate, inputs(1, 2, forecast=f), state, now=float(t))
+        p = run(live, rate, inputs(*counts, forecast=f), state, now=float(t))
         state = p.state
         if p.target is not None:
             live = p.target
@@ -655,6 +655,24 @@ def test_no_scale_down_inside_the_lulls_of_recurring_bursts(monkeypatch):
     down = next(t for t, r, _ in steps if r == "ScaleDownConsolidated")
     assert 80 <= down <= 82, steps[75:]
     assert steps[-1][2] == S(1)
+
+
+def test_in_recurring_bursts_the_consolidation_goes_to_the_fewest_that_carry_them():
+    # from 4 instances: 2 carry the bursts, 1 does not; HPA would hold all 4 through its look-back
+    steps = _replay(_on_off, 100, S(4), counts=(1, 2, 4))
+    changes = [(t, r, live) for t, r, live in steps if r.startswith("Scale")]
+    assert changes[0][1] == "ScaleDownConsolidated" and changes[0][2] == S(2) and changes[0][0] < 10, changes
+    assert all(live == S(2) for t, _, live in steps if changes[0][0] <= t < 60), changes
+    assert changes[1][1] == "ScaleDownConsolidated" and changes[1][2] == S(1) and changes[1][0] >= 80, changes
+    f = Forecast.start(0.0, 100.0)
+    for t in range(1, 18):
+        f = f.update(float(t), 370.0 if 1 <= t <= 4 or 11 <= t <= 14 else 100.0)
+    p = run(S(4), 100.0, inputs(1, 2, 4, forecast=f), PlannerState(smaller_ticks=2), now=17.0)
+    assert p.reason == "ScaleDownConsolidated" and p.target == S(2), p
+    assert "2x0us, not 1x0us: the load rose from a lull" in p.detail, p.detail
+    held = run(S(2), 100.0, inputs(1, 2, forecast=f), PlannerState(smaller_ticks=2), now=17.0)
+    assert held.reason == "HoldRecurringLoad" and held.target is None and held.spare == 0, held
+    assert "waiting until that is 30 s ago" in held.detail, held.detail
 
 
 def test_a_load_that_falls_and_stays_down_is_followed_as_before(monkeypatch):
