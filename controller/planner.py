@@ -750,7 +750,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
            device_util: float | None, exec_rps: float, avg_batch: float, now: float,
            reload_max: int | None = None) -> Plan:
     """The fewest instances, then the shortest delay, predicted to keep p99 under MARGIN x target at
-    the forecast's upper band; a smaller configuration only after CONSOLIDATE_TICKS checks in a row.
+    the forecast's upper band; a smaller configuration only after CONSOLIDATE_TICKS checks in a row, and,
+    where the load rose from a lull in the forecast's look-back, only as far as that rise allows (`past_rise`).
 
     A smaller configuration qualifies when it is predicted under CONSOLIDATE_MARGIN x the target, or when
     the instances it drops buy nothing at this load: its p99, predicted with the live configuration's
