@@ -14,6 +14,8 @@
 #                  5-80 req/s, SLA 200 ms, 4 instances at most (not in the default set: its sweep takes 6 min)
 #   host_heavy     a host-heavy model (2 ms host work a request, a fixed-cost device: scripts/scenarios/repos/
 #                  host_heavy) on delay_matters' day, SLA 50 ms, 4 instances at most (not in the default set)
+#   timer_bursts   4-s bursts of 370 req/s every 10 s over a quiet 60 req/s, SLA 40 ms (not in the default set:
+#                  the load of the planner's HoldRecurringLoad)
 # SCENARIOS="shift bursty" runs a subset; MODEL_ANALYZER=FILE overrides docs/bench/model_analyzer_shift.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +53,8 @@ for s in $SCENARIOS; do
         delay_matters) run delay_matters 25 $FIXED sim_fixed 1,2,4 0,1000,4000 4 ;;
         heavy_day)     SWEEP_SECONDS=6 run heavy_day 200 scripts/scenarios/repos/heavy sim_heavy 1,2,3,4 0,20000 4 ;;
         host_heavy)    run host_heavy 50 scripts/scenarios/repos/host_heavy sim_host 1,2,3,4 0,4000,8000 4 ;;
-        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy)" >&2; exit 2 ;;
+        timer_bursts)  run timer_bursts 40 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
+        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts)" >&2; exit 2 ;;
     esac
 done
 summaries=()
