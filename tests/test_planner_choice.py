@@ -603,10 +603,14 @@ def test_ramp_scenario_scales_up_ahead_of_the_queue_and_down_by_consolidation_wi
     assert max(c[2].instance_count for c in ups) <= lim.max_instances
 
 
+def _two_bursts() -> Forecast:
+    """`Forecast.last_rise`'s docstring load: 100 req/s at 0 s, 370 at 1-4, 100 at 5-10, 370 at 11-14, 100 at 15-17."""
+    f = _two_bursts()
+    return f
+
+
 def test_last_rise_docstring_example_and_a_fall_that_stays_down():
-    f = Forecast.start(0.0, 100.0)
-    for t in range(1, 18):
-        f = f.update(float(t), 370.0 if 1 <= t <= 4 or 11 <= t <= 14 else 100.0)
+    f = _two_bursts()
     assert f.last_rise(120.0, 250.0) == 11.0
     assert f.last_rise(120.0, 400.0) is None             # nothing rose past 400
     assert f.last_rise(90.0, 250.0) is None              # nothing fell to 90: no lull to rise from
@@ -664,9 +668,7 @@ def test_in_recurring_bursts_the_consolidation_goes_to_the_fewest_that_carry_the
     assert changes[0][1] == "ScaleDownConsolidated" and changes[0][2] == S(2) and changes[0][0] < 10, changes
     assert all(live == S(2) for t, _, live in steps if changes[0][0] <= t < 60), changes
     assert changes[1][1] == "ScaleDownConsolidated" and changes[1][2] == S(1) and changes[1][0] >= 80, changes
-    f = Forecast.start(0.0, 100.0)
-    for t in range(1, 18):
-        f = f.update(float(t), 370.0 if 1 <= t <= 4 or 11 <= t <= 14 else 100.0)
+    f = _two_bursts()
     p = run(S(4), 100.0, inputs(1, 2, 4, forecast=f), PlannerState(smaller_ticks=2), now=17.0)
     assert p.reason == "ScaleDownConsolidated" and p.target == S(2), p
     assert "2x0us, not 1x0us: the load rose from a lull" in p.detail, p.detail
