@@ -605,7 +605,9 @@ def test_ramp_scenario_scales_up_ahead_of_the_queue_and_down_by_consolidation_wi
 
 def _two_bursts() -> Forecast:
     """`Forecast.last_rise`'s docstring load: 100 req/s at 0 s, 370 at 1-4, 100 at 5-10, 370 at 11-14, 100 at 15-17."""
-    f = _two_bursts()
+    f = Forecast.start(0.0, 100.0)
+    for t in range(1, 18):
+        f = f.update(float(t), 370.0 if 1 <= t <= 4 or 11 <= t <= 14 else 100.0)
     return f
 
 
