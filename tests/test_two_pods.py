@@ -16,6 +16,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -85,9 +86,10 @@ def controller_config(server) -> ControllerConfig:
                                    scale_down_delay_s=6.0, delay_cooldown_s=600.0, max_delay_us=0)})
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in(tmp_path):
+def fleet_run(tmp_path) -> dict:
+    """Two pods, each with its controller, under the PHASES traffic: every half-second sample of their figures, the
+    clients' results, and each server's exit code (None: still running at the end) with the last lines of its log."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     repo = slow_repository(tmp_path)
     servers = [start_server([MODEL], repository=repo, log_path=str(tmp_path / f"pod{i}.log")) for i in range(2)]
     stop = threading.Event()
@@ -155,7 +157,23 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
                       for i, code in enumerate(exited) if code is not None]
         for s in servers:
             s.stop()
+    return {"samples": samples, "results": results, "exited": exited, "last_words": last_words}
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in(tmp_path):
+    run = fleet_run(tmp_path / "run1")
+    if any(code is not None for code in run["exited"]):
+        # tritonserver itself died mid-run (CI: once with -6 in the overload, once with every port refusing in the
+        # headroom phase); upstream reports the same with the Python backend under load and reloads (server#6800,
+        # #7723). Nothing about the two levels can be judged from a fleet that lost a pod: run it once more, and
+        # fail if a server dies again.
+        warnings.warn(f"a server exited during the two-pod run ({run['exited']}); running it again\n"
+                      + "\n".join(run["last_words"]))
+        run = fleet_run(tmp_path / "run2")
+        assert all(code is None for code in run["exited"]), f"servers exited: {run['exited']}\n" + "\n".join(run["last_words"])
+    samples, results, exited, last_words = run["samples"], run["results"], run["exited"], run["last_words"]
     known = [r for r in samples if None not in r["u"] and None not in r["n"]]
     summary = [(round(r["t"]), r["phase"], r["n"], [round(u, 2) for u in r["u"]]) for r in known]
     # 1. no scale-out while an in-pod instance can still be added
@@ -172,7 +190,10 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
     settled = [i for i, r in enumerate(known) if r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0]
     rows = lambda idx: "\n".join(f"{known[i]['t']:.1f} n={known[i]['n']} u={known[i]['u']} p99/target={known[i]['p']}"
                                  for i in idx)  # noqa: E731
-    assert settled and all(stabilized(known, i) <= 2 for i in settled), rows(settled)
+    # (no settled reading at all: every sample of the phase's end, None where a pod had no figure)
+    assert settled, "\n".join(f"{r['t']:.1f} n={r['n']} u={r['u']}" for r in samples
+                               if r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0)
+    assert all(stabilized(known, i) <= 2 for i in settled), rows(settled)
     # 2. scale-out once both pods are at their limit
     out = [r for i, r in enumerate(known) if r["phase"] == "beyond" and r["n"] == [2, 2]
            and r["saturated"] == [1.0, 1.0] and stabilized(known, i) > 2]
