@@ -192,12 +192,12 @@ def test_the_fleet_scales_out_only_when_both_pods_are_at_their_limit_and_back_in
     # ... and at the ceiling with load the pods can serve (the last 8 s of that phase), no scale-out either
     # (at the ceiling the reading is p99 / target, so a p99 excursion on a loaded machine can put one reading over
     # 0.88 on average; the HPA's scale-up window, above, is what keeps such a reading from adding a pod)
-    settled = [i for i, r in enumerate(known) if r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0]
+    at_headroom_end = lambda r: r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0  # noqa: E731
+    settled = [i for i, r in enumerate(known) if at_headroom_end(r)]
     rows = lambda idx: "\n".join(f"{known[i]['t']:.1f} n={known[i]['n']} u={known[i]['u']} p99/target={known[i]['p']}"
                                  for i in idx)  # noqa: E731
     # (no settled reading at all: every sample of the phase's end, None where a pod had no figure)
-    assert settled, "\n".join(f"{r['t']:.1f} n={r['n']} u={r['u']}" for r in samples
-                               if r["phase"] == "headroom" and r["t"] >= PHASES[0][1] - 8.0)
+    assert settled, "\n".join(f"{r['t']:.1f} n={r['n']} u={r['u']}" for r in samples if at_headroom_end(r))
     assert all(stabilized(known, i) <= 2 for i in settled), rows(settled)
     # 2. scale-out once both pods are at their limit
     out = [r for i, r in enumerate(known) if r["phase"] == "beyond" and r["n"] == [2, 2]
