@@ -640,19 +640,38 @@ class PlannerState:
     """What the planner remembers between decisions (kept inside the policy's state)."""
 
     ratios: tuple[tuple[float, float], ...] = ()      # (time, observed / predicted p99) of recent windows
-    by_config: tuple[tuple[Settings, float, float], ...] = ()   # (config, time, its ratio, EWMA): what it did when live
+    by_config: tuple[tuple[Settings, float, tuple[float, ...]], ...] = ()   # (config, time of its last window,
+                                                      # its last CONFIG_RATIO_CONFIRMED ratios, clipped): what it
+                                                      # did when live
     smaller_ticks: int = 0                            # a smaller configuration met CONSOLIDATE_MARGIN this many decisions in a row
     smaller_best: Settings | None = None              # the largest of those smaller choices (the safe one)
     reload_s: float = 2.0                             # how long an applied change took (EWMA)
 
 
 CONFIG_RATIO_MAX_AGE_S = 900.0   # what a configuration did when live is remembered this long ...
+CONFIG_RATIO_CONFIRMED = 2       # ... as the smaller of its last this many windows' ratios (one bad window is not
+                                 # what it did); a lone window only as long as a recent ratio is (RATIO_MAX_AGE_S) ...
 CONFIG_RATIO_KEPT = 16           # ... for this many configurations
 
 
 def bounded(ratio: float) -> float:
     """An observed/predicted ratio within CORRECTION_BOUNDS: how far one ratio may move a prediction."""
     return min(max(ratio, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1])
+
+
+def own_ratio(ratios: tuple[float, ...], since_s: float) -> float | None:
+    """What a configuration did when live, from its last windows' (clipped) ratios, the last `since_s` ago:
+    the smaller of its last CONFIG_RATIO_CONFIRMED, kept CONFIG_RATIO_MAX_AGE_S; a lone window's kept only as
+    long as a recent ratio is (RATIO_MAX_AGE_S); None when forgotten. Why: in bursty r24 the first window
+    after the warm-up read 1.68 on one instance, the only window one instance ever had; as one instance's own
+    correction (clipped to 1.5) for 15 minutes it put every later check of one instance at 1.5x, and no
+    consolidation to one followed. Examples: (1.5,) -> 1.5 for 90 s, then None; (1.5, 1.0) -> 1.0 (the bad
+    window was not what it does); (1.4, 1.4) -> 1.4 for 15 minutes (a delay that ran worse twice)."""
+    if not ratios:
+        return None
+    if len(ratios) >= CONFIG_RATIO_CONFIRMED:
+        return min(ratios[-CONFIG_RATIO_CONFIRMED:]) if since_s <= CONFIG_RATIO_MAX_AGE_S else None
+    return ratios[-1] if since_s <= RATIO_MAX_AGE_S else None
 
 
 def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99: float | None, source: str,
@@ -668,8 +687,9 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
     recorded (1.0), those ending at 81-89 s are skipped (they overlap it), the one ending at 90 s reads
     2.5: the median of (1.0, 1.0, 2.5) is 1.0, the planner stays in charge. Were the model really 2.5x
     off, the window ending at 100 s would read 2.5 too, and the median of the last three would say so.
-    What a configuration did when live moves by an EWMA of ratios clipped to `CORRECTION_BOUNDS`, so one
-    bad window moves it by at most 0.3 x (1.5 - its value)."""
+    What a configuration did when live is its last windows' ratios, each clipped to `CORRECTION_BOUNDS`,
+    read by `own_ratio`: one bad window counts for 90 s, two for 15 minutes. A delay that really ran worse
+    than predicted is set aside for 90 s after one window and, tried again and worse again, for 15 minutes."""
     if (observed_p99 is None or predicted_p99 is None or source != "trace" or samples < MIN_RATIO_SAMPLES
             or predicted_p99 <= 0 or not math.isfinite(predicted_p99)):
         return state
@@ -680,24 +700,26 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
     kept = tuple(r for r in state.ratios if now - r[0] <= RATIO_MAX_AGE_S)
     by_config = state.by_config
     if live is not None:
-        old = next((r for s, _, r in by_config if s == live), None)
-        clipped = bounded(ratio)
-        mixed = clipped if old is None else 0.7 * old + 0.3 * clipped
-        by_config = tuple(x for x in by_config if x[0] != live and now - x[1] <= CONFIG_RATIO_MAX_AGE_S)
-        by_config = (by_config + ((live, now, mixed),))[-CONFIG_RATIO_KEPT:]
+        by_config = tuple(x for x in by_config if now - x[1] <= CONFIG_RATIO_MAX_AGE_S)
+        old = next((r for s, _, r in by_config if s == live), ())
+        mine = (old + (bounded(ratio),))[-CONFIG_RATIO_CONFIRMED:]
+        by_config = tuple(x for x in by_config if x[0] != live)
+        by_config = (by_config + ((live, now, mine),))[-CONFIG_RATIO_KEPT:]
     return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config)
 
 
 def config_correction(state: PlannerState, settings: Settings, default: float, now: float) -> float:
     """The correction for one candidate: `default` (the recent windows' ratio), or its own ratio from
-    when it was live where that was worse (bounded). Never better than `default`: a ratio from another
+    when it was live (`own_ratio`) where that was worse. Never better than `default`: a ratio from another
     time (a quieter machine, say) must not make one candidate look cheaper than the others.
 
-    Example: 1 instance at 2000 us was live and ran at 1.3x its prediction; the recent windows say 1.1:
-    when it is a candidate again, its prediction is multiplied by 1.3. Had it run at 0.9x: by 1.1."""
+    Example: 1 instance at 2000 us was live and ran at 1.3x its prediction in its last two windows; the
+    recent windows say 1.1: when it is a candidate again, its prediction is multiplied by 1.3. Had it run at
+    0.9x: by 1.1. Had only one window said 1.3: by 1.3 for 90 s after it, then by 1.1."""
     for s, t, r in state.by_config:
-        if s == settings and now - t <= CONFIG_RATIO_MAX_AGE_S:
-            return max(default, bounded(r))
+        if s == settings:
+            own = own_ratio(r, now - t)
+            return default if own is None else max(default, own)
     return default
 
 
