@@ -552,7 +552,7 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
         # themselves (without any delay) until the device keeps up. Predicted as the wait that forms batches big
         # enough to keep the device DEVICE_SELF_BATCH busy: a measured host-heavy model at 2 x 0us held 300 req/s
         # (p99 43 ms, SLA 50) where the load at its small batches read "cannot hold", and the planner chose a
-        # needless 8-ms delay (a full reload) instead (README, "A model the planner was not tuned on").
+        # needless 8-ms delay (a full reload) instead (docs/results.md, "A model the planner was not tuned on").
         need = device.batch_for(arrival_rps, DEVICE_SELF_BATCH, max_batch) \
             or device.batch_for(arrival_rps, DEVICE_LIMIT, max_batch)   # full batches, busier still
         if need is None:
@@ -1055,7 +1055,7 @@ def goodput(live: Settings, inputs: PlanInputs, state: PlannerState, *, target_m
     instance with 90 req/s, not ~150. The same 90 is what that instance is "worth" to a model at 250 or 400
     req/s: compared so, two models over their capacities look alike and an instance stays with the one whose
     load is falling. (Measured on two_models_tight, the hand-overs came no earlier with this: what binds there
-    is the hot model's forecast reaching one instance's capacity; README, "Runs 11-15".)"""
+    is the hot model's forecast reaching one instance's capacity; docs/results.md, "Runs 11-15".)"""
     ctx = _live_model(live, inputs, state, device_util, exec_rps, avg_batch, now)
     if ctx is None:
         return None
