@@ -243,7 +243,8 @@ def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog
     assert not [r for r in records if r["model"] == "ens" and r["action"] != "hold"]
     # the step grew (the planner's or the reactive rules' reason): it starts at 2 instances
     ups = [r for r in records if r["model"] == "sim2" and r["action"] == "applied" and r["target"]["instances"] > 2]
-    assert ups, ([(r["model"], r["action"], r["reason"]) for r in records], _memory_evidence(repo_server))
+    assert ups, "\n".join([f"{r['model']} {r['action']} {r['reason']} {r.get('mode')}: {r['detail']}" for r in records]
+                           + [_memory_evidence(repo_server)])
     done = np.array([r.done_s for r in results])
     lat = np.array([1000 * r.latency_s for r in results])
     late = lat[done >= np.median(done)]
@@ -301,13 +302,24 @@ def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_roo
         thread.join()
     assert results and all(r.ok for r in results), [r for r in results if not r.ok][:3]
     assert len(samples) >= 60 and len(errors) <= len(samples) // 10, errors[:3]
-    assert all(per["gpu0"] == 1 for per, _ in samples), [per for per, _ in samples if per["gpu0"] != 1][:3]
-    assert max(per["gpu1"] for per, _ in samples) == 3, (samples[-1], _memory_evidence(repo_server))  # grew by 2
+    # why str: pytest shortens a non-str message's repr to a line, which cut the evidence of the memory flake
+    # (a CI run read gpu0 128 / gpu1 128 MiB where 192 / 64 were held); each reading of the first 10 s is kept
+    early = "\n".join(f"{k * 0.25:5.2f} s: {per} {mem}" for k, (per, mem) in enumerate(samples[:40]))
+    assert all(per["gpu0"] == 1 for per, _ in samples), f"placements with gpu0 != 1 (the budget is full there):\n" \
+        f"{early}\n{_memory_evidence(repo_server)}"
+    # grew on gpu1, within its room of 2; whether by 1 or 2 is the planner's call on the predicted gain (a
+    # 4th instance at ~282 req/s was predicted under 10% better than three in one run, so it stayed at 3)
+    assert 2 <= max(per["gpu1"] for per, _ in samples) <= 3, f"gpu1 did not grow within its room of 2:\n{early}\n" \
+        f"{_memory_evidence(repo_server)}"
     over = [mem for _, mem in samples if any(v > budget_mb for v in mem.values())]
     assert not over, over[:3]                                            # as the device reported it, per GPU
     records = _records(tmp_path / "decisions.jsonl")
     assert not [r for r in records if r["action"] == "failed"], [r for r in records if r["action"] == "failed"][:2]
-    assert any(r["reason"] == "HoldMemoryCap" for r in records), {r["reason"] for r in records}
+    # the memory ceiling is 4, per GPU: 1 on the full gpu0 + 3 on gpu1 (summed over the GPUs, 256 MiB used of
+    # a 192 MiB budget, it would be the live 2)
+    capped = [r for r in records if r["reason"] == "HoldMemoryCap" and r.get("mode") == "model"]
+    assert capped and all("up to 4 instance(s)" in r["detail"] for r in capped), \
+        [(r["reason"], r.get("mode"), r["detail"]) for r in records]
     # the decision log says where the instances are (what scripts/gpu_bench.sh prints for two real GPUs)
     assert records[0]["per_device"] == {"gpu0": 1, "gpu1": 1}
-    assert any(r.get("per_device") == {"gpu0": 1, "gpu1": 3} for r in records)
+    assert any(r.get("per_device") in ({"gpu0": 1, "gpu1": 2}, {"gpu0": 1, "gpu1": 3}) for r in records)
