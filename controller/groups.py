@@ -16,7 +16,8 @@ A *device* here is a key: `"gpu<k>"`, `"cpu"`, `"model"` (KIND_MODEL), or `"gpu"
 GPUs are not known (a file config read without `visible_gpus`; never a live config).
 
 SIMULATED GPUs (machines without a GPU, model_repository/sim_accel): a KIND_CPU group named
-`<anything>_simgpu<k>` runs its instances on simulated GPU k, so it is read as a group on `gpu<k>`.
+`<anything>_simgpu<k>` (with `host_policy: "simgpu<k>"`, which the simulator requires and a count change
+keeps) runs its instances on simulated GPU k, so it is read as a group on `gpu<k>`.
 
 A change of the total adds or removes one instance at a time on one device, chosen by `prefer` (see
 `with_total`), and keeps everything else the user wrote: the kinds, which GPUs the model is on, every other

@@ -242,9 +242,11 @@ def test_with_settings_does_not_touch_the_input():
 # ---- SIMULATED GPUs (model_repository/sim_accel: a KIND_CPU group named *_simgpu<k>) ----------------------
 
 def test_simulated_gpu_groups_read_as_gpus():
-    c = cfg({"name": "sim_simgpu0", "count": 1, "kind": "KIND_CPU"}, {"name": "sim_simgpu1", "count": 2, "kind": "KIND_CPU"})
+    # (the simulator needs host_policy "simgpu<k>" on such a group; a count change keeps it)
+    c = cfg({"name": "sim_simgpu0", "count": 1, "kind": "KIND_CPU", "host_policy": "simgpu0"},
+            {"name": "sim_simgpu1", "count": 2, "kind": "KIND_CPU", "host_policy": "simgpu1"})
     assert G.instances_per_device(c) == {"gpu0": 1, "gpu1": 2}
     new = G.with_total(c, 4, prefer=["gpu0"])
-    assert new["instance_group"] == [{"name": "sim_simgpu0", "count": 2, "kind": "KIND_CPU"},
-                                     {"name": "sim_simgpu1", "count": 2, "kind": "KIND_CPU"}]
+    assert new["instance_group"] == [{"name": "sim_simgpu0", "count": 2, "kind": "KIND_CPU", "host_policy": "simgpu0"},
+                                     {"name": "sim_simgpu1", "count": 2, "kind": "KIND_CPU", "host_policy": "simgpu1"}]
     assert G.min_total(c) == 2

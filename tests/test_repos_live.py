@@ -91,8 +91,8 @@ def repo_server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     _sim_copy(repo, "sim2", {
         **SLOW, "max_batch_size: 32": "max_batch_size: 4",
-        "{ count: 1, kind: KIND_CPU }": '{ name: "sim2_simgpu0", count: 1, kind: KIND_CPU },\n'
-                                        '  { name: "sim2_simgpu1", count: 1, kind: KIND_CPU }'})
+        "{ count: 1, kind: KIND_CPU }": '{ name: "sim2_simgpu0", count: 1, kind: KIND_CPU, host_policy: "simgpu0" },\n'
+                                        '  { name: "sim2_simgpu1", count: 1, kind: KIND_CPU, host_policy: "simgpu1" }'})
     (repo / "ens" / "1").mkdir(parents=True)
     (repo / "ens" / "config.pbtxt").write_text(ENSEMBLE.replace("max_batch_size: 32", "max_batch_size: 4"))
     _sim_copy(repo, "plain", {
@@ -102,7 +102,7 @@ def repo_server(tmp_path_factory):
     (repo / "bls" / "1").mkdir(parents=True)
     (repo / "bls" / "config.pbtxt").write_text(BLS_CONFIG)
     (repo / "bls" / "1" / "model.py").write_text(BLS_MODEL)
-    _sim_copy(repo, "hog", {"{ count: 1, kind: KIND_CPU }": '{ name: "hog_simgpu0", count: 2, kind: KIND_CPU }'})
+    _sim_copy(repo, "hog", {"{ count: 1, kind: KIND_CPU }": '{ name: "hog_simgpu0", count: 2, kind: KIND_CPU, host_policy: "simgpu0" }'})
     s = start_server(["sim2", "ens", "plain", "bls", "hog"], repository=repo)
     yield s
     s.stop()

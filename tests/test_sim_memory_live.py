@@ -1,15 +1,20 @@
 """The SIMULATED device's memory reading after reloads, against the real server: what the controller's
 memory budget rests on. A full reload starts new stubs with the same instance names before the old ones
 finalize, and an in-place scale-up can start a stub with a live instance's name; each stub's memory must
-count once."""
+count once. With two simulated GPUs, each GPU's reading must follow its own group's count through in-place
+updates (the groups' host policies keep Triton from moving an instance between them)."""
 from __future__ import annotations
 
+import copy
+import shutil
 import time
 
-from conftest import start_server
+import pytest
+from conftest import ROOT, start_server
 
+from controller import groups
 from controller.actuation import Actuator, TritonControl
-from controller.gpu import SIM_MEMORY_METRIC
+from controller.gpu import SIM_GPU_MEMORY, SIM_MEMORY_METRIC
 from controller.signals import Scraper
 from controller.types import Settings
 
@@ -62,3 +67,70 @@ def test_memory_after_an_in_place_scale_up_that_reuses_a_live_instance_name():
         assert _settles_at(scraper, 3 * 64 * MiB, within_s=8.0) == 3 * 64 * MiB
     finally:
         server.stop()
+
+
+
+def _two_gpu_repo(tmp_path):
+    shutil.copytree(ROOT / "model_repository" / "sim_accel", tmp_path / "sim2", ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = tmp_path / "sim2" / "config.pbtxt"
+    text = cfg.read_text().replace('name: "sim_accel"', 'name: "sim2"')
+    one = "{ count: 1, kind: KIND_CPU }"
+    assert one in text
+    cfg.write_text(text.replace(one, '{ name: "sim2_simgpu0", count: 1, kind: KIND_CPU, host_policy: "simgpu0" },\n'
+                                     '  { name: "sim2_simgpu1", count: 1, kind: KIND_CPU, host_policy: "simgpu1" }'))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def two_gpu_server(tmp_path_factory):
+    """A server with `sim2`: the simulated model with one group on each of two simulated GPUs."""
+    s = start_server(["sim2"], repository=_two_gpu_repo(tmp_path_factory.mktemp("repo")))
+    yield s
+    s.stop()
+
+
+def _per_gpu_mib(scraper: Scraper) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for counters in (scraper.metrics() or {}).values():
+        for key, value in counters.custom.items():
+            m = SIM_GPU_MEMORY.fullmatch(key)
+            if m:
+                out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + value / MiB
+    return out
+
+
+def test_each_simulated_gpu_reports_its_own_groups_instances_through_in_place_updates(two_gpu_server):
+    """Triton keeps a live instance wherever the new config has a group of the same signature, which ignores
+    group names: without the groups' host policies 1+3 -> 1+1 kept two of gpu1's instances (one as gpu0's)
+    and the reading was 0 / 128 MiB (the CI flake of the per-GPU budget test). Every step of a sequence
+    that moves counts both ways must read 64 MiB per instance of each group, on its own GPU."""
+    control = TritonControl(two_gpu_server.grpc_url, two_gpu_server.http_url)
+    scraper = Scraper(two_gpu_server.metrics_url, two_gpu_server.http_url)
+    for counts in [(1, 3), (1, 1), (3, 1), (1, 1), (2, 2), (1, 1)]:
+        new = copy.deepcopy(control.config("sim2"))
+        for group, n in zip(new["instance_group"], counts):
+            group["count"] = n
+        control.load("sim2", new)
+        assert groups.instances_per_device(control.config("sim2")) == {"gpu0": counts[0], "gpu1": counts[1]}
+        expected = {0: 64.0 * counts[0], 1: 64.0 * counts[1]}
+        deadline, seen = time.monotonic() + 10.0, None
+        while time.monotonic() < deadline and seen != expected:
+            seen = _per_gpu_mib(scraper)
+            time.sleep(0.3)
+        assert seen == expected, (counts, seen)
+
+
+def test_a_simulated_gpu_group_without_its_host_policy_does_not_load_and_says_why(two_gpu_server):
+    control = TritonControl(two_gpu_server.grpc_url, two_gpu_server.http_url)
+    bad = control.config("sim2")
+    del bad["instance_group"][1]["host_policy"]
+    bad["dynamic_batching"]["max_queue_delay_microseconds"] = "100"   # a full reload: new stubs read this config
+    try:
+        control.load("sim2", bad)
+    except Exception as e:  # noqa: BLE001 - the client's error type differs by protocol
+        message = str(e)
+    else:
+        message = ""
+    assert 'needs host_policy: "simgpu1"' in message, message
+    assert control.ready("sim2")                     # the version that was serving goes on serving
+    assert control.config("sim2")["instance_group"][1]["host_policy"] == "simgpu1"

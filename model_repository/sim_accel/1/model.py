@@ -23,6 +23,13 @@ SEVERAL SIMULATED GPUs: an instance of a group named `<anything>_simgpu<k>` (KIN
 GPU) runs on simulated GPU k: its own slots (`<device_name>_gpu<k>`), and its memory and slot time also
 reported as `sim_gpu<k>_memory_bytes` and `sim_gpu<k>_busy_us_total`. The controller reads such a group as
 a group on GPU k (controller/groups.py) and the simulated device source reports one device per k.
+Such a group must also say `host_policy: "simgpu<k>"`, or the model does not load. Why: on an in-place
+update Triton 2.51 keeps a live instance wherever the new config has a group with the same *signature*,
+which ignores the group's name and count (core's EquivalentInInstanceConfig); two KIND_CPU groups that
+differ only in name are one signature, so an instance started as `m_simgpu1_0` could stay on as gpu0's
+instance and go on reporting on GPU 1 (measured: 1+3 -> 1+1 read 0 MiB on GPU 0 and 128 on GPU 1). Real
+GPU groups differ in `gpus`; the host policy plays that part here (one not defined on the server's command
+line is an empty policy: no effect).
 """
 from __future__ import annotations
 
@@ -92,6 +99,18 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _check_sim_gpu_groups(config: dict) -> None:
+    """Every `*_simgpu<k>` group carries `host_policy: "simgpu<k>"` (see the module's docstring: without it an
+    in-place update can move an instance to another simulated GPU's group while it reports on its own)."""
+    for group in config.get("instance_group", []):
+        m = re.fullmatch(r".*_simgpu(\d+)", str(group.get("name", "")))
+        if m and group.get("host_policy") != f"simgpu{m.group(1)}":
+            raise pb_utils.TritonModelException(
+                f"instance group '{group['name']}' runs on simulated GPU {m.group(1)} and needs "
+                f"host_policy: \"simgpu{m.group(1)}\" (Triton matches instances across groups that differ only "
+                f"in name, so without it an in-place update can move an instance to another simulated GPU)")
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -113,6 +132,7 @@ class TritonPythonModel:
         self.per_item_s = float(_param(config, "compute_per_item_ms", "0.5")) / 1e3
         m = re.search(r"_simgpu(\d+)$", self.instance_name.rsplit("_", 1)[0])
         self.sim_gpu = int(m.group(1)) if m else None      # which simulated GPU, for a `*_simgpu<k>` group
+        _check_sim_gpu_groups(config)
         device = _param(config, "device_name", "sim0") + ("" if self.sim_gpu is None else f"_gpu{self.sim_gpu}")
         self.device = SimulatedDevice(device, int(_param(config, "device_parallelism", "2")))
         memory_bytes = int(float(_param(config, "instance_memory_mb", "64")) * 2**20)
