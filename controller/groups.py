@@ -21,10 +21,19 @@ keeps) runs its instances on simulated GPU k, so it is read as a group on `gpu<k
 
 A change of the total adds or removes one instance at a time on one device, chosen by `prefer` (see
 `with_total`), and keeps everything else the user wrote: the kinds, which GPUs the model is on, every other
-field of each group, passive groups. Adding on one GPU of a group that spans several GPUs splits it: the
-group keeps its other GPUs and a copy of it, named `<name>_gpu<k>`, holds GPU k with one more instance;
-when the counts become equal again the copy merges back. A device the user placed the model on keeps at
-least one instance (so the smallest total is one per device: `min_total`).
+field of each group, passive groups. A device the user placed the model on keeps at least one instance (so
+the smallest total is one per device: `min_total`).
+
+A change must also keep the instances it does not mean to touch. On an in-place update Triton 2.51 keeps a
+live instance only where the new config has a group of the same *signature*: the group's fields except
+`name` and `count`, and the device (core: `TritonModelInstance::Signature`, `EquivalentInInstanceConfig`).
+So a change never edits the `gpus` of a group over several GPUs to add an instance: one more on GPU k of
+`m_0 {count: 1, gpus: [0..7]}` adds a group `m_0_gpu<k> {count: 1, gpus: [k]}` (the *extra* instances on k)
+and leaves `m_0` as it is: Triton loads one instance. Rewriting `m_0` to `gpus: [0..6]` with a copy holding
+two on GPU 7 (what this module did before) changed every instance's signature: Triton loaded 9 new instances
+and unloaded the 8 old ones, each GPU briefly holding both, to add one. Removing takes the extra instances
+first (a count change or the extra group dropped), so scaling back returns the config the user wrote.
+Only a step below the user's own layout on a device can rebuild instances (see `remove_one`).
 """
 from __future__ import annotations
 
@@ -130,24 +139,38 @@ def min_total(config: dict, visible_gpus: Sequence[int] | None = None) -> int:
 # ---- one instance more or less on one device --------------------------------------------------------
 
 def add_one(config: dict, device: str, visible_gpus: Sequence[int] | None = None) -> dict:
-    """A copy of `config` with one more instance on `device` (one of the devices its active groups use)."""
+    """A copy of `config` with one more instance on `device` (one of the devices its active groups use).
+
+    A group on `device` alone grows by one (the extra group first, then the user's own); where only groups
+    over several GPUs place the model there, an extra group `<name>_gpu<k>` with `gpus: [k]`, count 1, is
+    added after the first of them, which is left as it is (the module's docstring says why)."""
     new = copy.deepcopy(config)
     groups = new["instance_group"] = _groups(new)
     views = [g for g in view(new, visible_gpus) if not g.passive and device in g.devices]
     if not views:
         raise GroupError(f"no active instance group places the model on {device}")
-    single = [g for g in views if len(g.devices) == 1]
-    g = single[0] if single else views[0]
-    group = groups[g.index]
-    if len(g.devices) == 1:
-        group["count"] = g.count + 1
-    else:
-        _split(groups, g, device, g.count + 1)
-    return _merge(new, visible_gpus)
+    single = sorted((g for g in views if len(g.devices) == 1), key=lambda g: (not _is_extra(groups, g), g.index))
+    if single:
+        groups[single[0].index]["count"] = single[0].count + 1
+        return new
+    base = groups[views[0].index]
+    at = views[0].index + 1
+    prefix = f"{base.get('name')}{SPLIT_SUFFIX}"
+    while base.get("name") and at < len(groups) and str(groups[at].get("name") or "").startswith(prefix):
+        at += 1                                              # after the extra groups it already has
+    groups.insert(at, _extra(base, device, 1))
+    return new
 
 
 def remove_one(config: dict, device: str, visible_gpus: Sequence[int] | None = None) -> dict:
-    """A copy of `config` with one instance fewer on `device`; it keeps at least one there."""
+    """A copy of `config` with one instance fewer on `device`; it keeps at least one there.
+
+    In this order, each keeping every other instance's signature: an extra group's count (or the extra
+    group, at 1), then a count of the user's own group on `device` alone, then such a group at 1 (another
+    group still covers the device). Below that only a group over several GPUs places the model there, and
+    the step changes its instances: at count c > 1 it runs c - 1 per GPU and an extra instance on each of
+    its other GPUs (Triton keeps c - 1 per GPU and loads one on each of the others); at count 1 the device
+    leaves its `gpus` (Triton reloads its instances on the other GPUs, each briefly held twice)."""
     new = copy.deepcopy(config)
     groups = new["instance_group"] = _groups(new)
     views = [g for g in view(new, visible_gpus) if not g.passive and device in g.devices]
@@ -155,8 +178,7 @@ def remove_one(config: dict, device: str, visible_gpus: Sequence[int] | None = N
     if on_device <= 1:
         raise GroupError(f"{device} has {on_device} instance(s); the controller keeps at least one on each device "
                          "the instance groups name")
-    # why this order: a plain count change first; dropping or splitting a group only when no group allows one
-    order = sorted(views, key=lambda g: (len(g.devices) > 1, g.count == 1, g.index))
+    order = sorted(views, key=lambda g: (len(g.devices) > 1, not _is_extra(groups, g), g.count == 1, g.index))
     g = order[0]
     group = groups[g.index]
     if len(g.devices) == 1:
@@ -164,51 +186,36 @@ def remove_one(config: dict, device: str, visible_gpus: Sequence[int] | None = N
             group["count"] = g.count - 1
         else:
             del groups[g.index]
-    elif g.count > 1:
-        _split(groups, g, device, g.count - 1)
-    else:
-        group["gpus"] = [int(d[3:]) for d in g.devices if d != device]
-    return _merge(new, visible_gpus)
-
-
-def _split(groups: list[dict], g: GroupView, device: str, count: int) -> None:
-    """Group g spans several GPUs: it keeps the others; a copy of it holds `device` with `count` instances."""
-    group = groups[g.index]
+        return new
     if not device.startswith("gpu") or device == "gpu":
-        raise GroupError(f"cannot place an instance on {device} alone in a group over {', '.join(g.devices)}")
-    mine = copy.deepcopy(group)
+        raise GroupError(f"cannot remove an instance from {device} alone in a group over {', '.join(g.devices)}")
+    if g.count > 1:
+        group["count"] = g.count - 1
+        for other in g.devices:
+            if other != device:
+                new = add_one(new, other, visible_gpus)
+        return new
     group["gpus"] = [int(d[3:]) for d in g.devices if d != device]
+    return new
+
+
+def _extra(group: dict, device: str, count: int) -> dict:
+    """A copy of a group over several GPUs that holds `count` more instances on `device` alone."""
+    if not device.startswith("gpu") or device == "gpu":
+        raise GroupError(f"cannot place an instance on {device} alone in a group over several GPUs")
+    mine = copy.deepcopy(group)
     mine["gpus"] = [int(device[3:])]
     mine["count"] = count
     if group.get("name"):
         mine["name"] = f"{group['name']}{SPLIT_SUFFIX}{device[3:]}"
-    groups.insert(g.index + 1, mine)
+    return mine
 
 
-def _merge(config: dict, visible_gpus: Sequence[int] | None) -> dict:
-    """Fold a split copy (`<name>_gpu<k>`) back into its group when both run the same count again."""
-    groups = config["instance_group"]
-    changed = True
-    while changed:
-        changed = False
-        for i, base in enumerate(groups):
-            name = base.get("name")
-            if not name or _kind(base, visible_gpus) != KIND_GPU:
-                continue
-            for j, other in enumerate(groups):
-                m = re.fullmatch(re.escape(name) + SPLIT_SUFFIX + r"(\d+)", str(other.get("name") or ""))
-                if j == i or not m:
-                    continue
-                same = {k: v for k, v in other.items() if k not in ("name", "gpus")} == \
-                    {k: v for k, v in base.items() if k not in ("name", "gpus")}
-                if same and other.get("gpus"):
-                    base["gpus"] = sorted(set(int(x) for x in (base.get("gpus") or [])) | set(int(x) for x in other["gpus"]))
-                    del groups[j]
-                    changed = True
-                    break
-            if changed:
-                break
-    return config
+def _is_extra(groups: list[dict], g: GroupView) -> bool:
+    """Group g is an extra group (`<name>_gpu<k>` beside a group named `<name>`)."""
+    name = str(groups[g.index].get("name") or "")
+    m = re.fullmatch(r"(.+)" + SPLIT_SUFFIX + r"\d+", name)
+    return bool(m) and any(str(other.get("name") or "") == m.group(1) for other in groups)
 
 
 # ---- a new total ------------------------------------------------------------------------------------
@@ -223,7 +230,8 @@ def with_total(config: dict, total: int, prefer: Sequence[str] = (), visible_gpu
 
     Each added instance goes to the device that comes first in `prefer` (devices not in it come after, in
     the order the groups name them), among equals to the one with the fewest instances; each removed one
-    from the device with the most instances among the least preferred. Only devices the active groups
+    from a device with an extra group first (then one with a group of its own, then any: `_removal_tier`),
+    among those from the device with the most instances among the least preferred. Only devices the active groups
     already use are ever chosen. With one group this is the old behaviour: its count becomes `total`.
     `room` (device -> instances that still fit there, e.g. policy.memory_room) stops adds on a device once
     its room is used up; a device it does not name is not limited. GroupError when no device has room left.
@@ -250,10 +258,23 @@ def with_total(config: dict, total: int, prefer: Sequence[str] = (), visible_gpu
         if d in left:
             left[d] -= 1
     while sum(per.values()) > total:
-        d = max((k for k in order if per[k] > 1), key=lambda k: (_rank(k, prefer), per[k], order.index(k)))
+        # why the tier first: an extra group's instance goes without touching the others (and the user's
+        # groups come back); a step inside a group over several GPUs makes Triton reload instances
+        d = max((k for k in order if per[k] > 1),
+                key=lambda k: (-_removal_tier(new, k, visible_gpus), _rank(k, prefer), per[k], order.index(k)))
         new = remove_one(new, d, visible_gpus)
         per[d] -= 1
     return new
+
+
+def _removal_tier(config: dict, device: str, visible_gpus: Sequence[int] | None) -> int:
+    """What removing one instance on `device` touches: 0 an extra group, 1 a group of the user's on `device`
+    alone, 2 a group over several GPUs (Triton reloads instances: see `remove_one`)."""
+    groups = _groups(config)
+    single = [g for g in view(config, visible_gpus) if not g.passive and g.devices == (device,)]
+    if any(_is_extra(groups, g) for g in single):
+        return 0
+    return 1 if single else 2
 
 
 def preference(per_device: dict[str, int], utilization: dict[str, float | None] | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from controller import groups as G
 from controller.actuation import ActuationError, settings_of, with_settings
@@ -90,39 +91,101 @@ def test_one_gpu_count_changes_in_its_group():
     assert G.with_total(c, 3)["instance_group"] == [{"name": "m_0", "count": 3, "kind": "KIND_GPU", "gpus": [0]}]
 
 
-def test_two_gpus_add_on_the_preferred_gpu_splits_the_group():
+def loaded(old: dict, new: dict, visible_gpus=None) -> int:
+    """The instances Triton 2.51 loads to go from `old` to `new` in place: it keeps a live instance where the
+    new config has one of the same signature (the group's fields but `name` and `count`, with `gpus` as the
+    server fills it in; and the device: core's TritonModelInstance::Signature) and loads the rest."""
+    import json
+    from collections import Counter
+
+    def instances(c: dict) -> Counter:
+        out: Counter = Counter()
+        for v, g in zip(G.view(c, visible_gpus), G._groups(c)):
+            if v.passive:
+                continue
+            sig = {k: x for k, x in g.items() if k not in ("name", "count")}
+            if v.kind == G.KIND_GPU and "gpus" not in sig and visible_gpus is not None:
+                sig["gpus"] = list(visible_gpus)
+            for d in v.devices:
+                out[(json.dumps(sig, sort_keys=True), d)] += v.count
+        return out
+    before, after = instances(old), instances(new)
+    return sum(max(0, n - before[key]) for key, n in after.items())
+
+
+def test_two_gpus_add_on_the_preferred_gpu_adds_an_extra_group_and_keeps_the_users():
     c = cfg({"name": "m_0", "count": 1, "kind": "KIND_GPU", "gpus": [0, 1]})
     new = G.with_total(c, 3, prefer=["gpu1", "gpu0"])
     assert G.instances_per_device(new) == {"gpu0": 1, "gpu1": 2}
-    assert new["instance_group"] == [{"name": "m_0", "count": 1, "kind": "KIND_GPU", "gpus": [0]},
-                                     {"name": "m_0_gpu1", "count": 2, "kind": "KIND_GPU", "gpus": [1]}]
+    assert new["instance_group"] == [{"name": "m_0", "count": 1, "kind": "KIND_GPU", "gpus": [0, 1]},
+                                     {"name": "m_0_gpu1", "count": 1, "kind": "KIND_GPU", "gpus": [1]}]
+    assert loaded(c, new) == 1           # rewriting m_0 to gpus [0] and a copy of 2 on [1] loaded 3
 
 
-def test_two_gpus_balanced_without_preference_and_merged_back():
+def test_two_gpus_balanced_without_preference_and_back_to_the_users_groups():
     c = cfg({"name": "m_0", "count": 1, "kind": "KIND_GPU", "gpus": [0, 1]})
     three = G.with_total(c, 3)
     assert G.instances_per_device(three) == {"gpu0": 2, "gpu1": 1}   # the fewest first; ties: the order written
     four = G.with_total(three, 4)
-    assert four["instance_group"] == [{"name": "m_0", "count": 2, "kind": "KIND_GPU", "gpus": [0, 1]}]
-    assert G.with_total(four, 2)["instance_group"] == c["instance_group"]
+    assert four["instance_group"] == [{"name": "m_0", "count": 1, "kind": "KIND_GPU", "gpus": [0, 1]},
+                                      {"name": "m_0_gpu0", "count": 1, "kind": "KIND_GPU", "gpus": [0]},
+                                      {"name": "m_0_gpu1", "count": 1, "kind": "KIND_GPU", "gpus": [1]}]
+    assert loaded(three, four) == 1
+    two = G.with_total(four, 2)
+    assert two["instance_group"] == c["instance_group"] and loaded(four, two) == 0
 
 
-def test_two_gpus_without_explicit_gpus_written_out_when_split():
+def test_two_gpus_without_explicit_gpus_the_users_group_stays_as_written():
     c = cfg({"name": "m_0", "count": 1, "kind": "KIND_GPU"})
     new = G.with_total(c, 3, prefer=["gpu1"], visible_gpus=[0, 1])
     assert G.instances_per_device(new, visible_gpus=[0, 1]) == {"gpu0": 1, "gpu1": 2}
-    assert [g.get("gpus") for g in new["instance_group"]] == [[0], [1]]
+    assert [g.get("gpus") for g in new["instance_group"]] == [None, [1]]
+    assert loaded(c, new, visible_gpus=[0, 1]) == 1
 
 
-def test_eight_gpus_without_gpus_one_more_on_gpu5():
+def test_eight_gpus_without_gpus_one_more_on_gpu5_loads_one_instance():
     c = cfg({"name": "m_0", "count": 2, "kind": "KIND_GPU"})
     new = G.with_total(c, 17, prefer=["gpu5"], visible_gpus=EIGHT)
     per = G.instances_per_device(new, visible_gpus=EIGHT)
     assert per == {**{f"gpu{k}": 2 for k in range(8)}, "gpu5": 3}
-    assert new["instance_group"][0]["gpus"] == [0, 1, 2, 3, 4, 6, 7]
-    assert new["instance_group"][1] == {"name": "m_0_gpu5", "count": 3, "kind": "KIND_GPU", "gpus": [5]}
+    assert new["instance_group"] == [c["instance_group"][0],
+                                     {"name": "m_0_gpu5", "count": 1, "kind": "KIND_GPU", "gpus": [5]}]
+    assert loaded(c, new, visible_gpus=EIGHT) == 1                    # not 17 (16 unloaded) as before
     back = G.with_total(new, 16, visible_gpus=EIGHT)
-    assert back["instance_group"] == [{"name": "m_0", "count": 2, "kind": "KIND_GPU", "gpus": EIGHT}]
+    assert back["instance_group"] == c["instance_group"]
+
+
+def test_below_the_users_layout_on_one_gpu_keeps_what_it_can():
+    c = cfg({"name": "m_0", "count": 2, "kind": "KIND_GPU", "gpus": [0, 1, 2]})
+    new = G.remove_one(c, "gpu1")
+    assert G.instances_per_device(new) == {"gpu0": 2, "gpu1": 1, "gpu2": 2}
+    assert loaded(c, new) == 2            # one on each other GPU; editing gpus would have loaded 5
+    one = cfg({"name": "m_0", "count": 1, "kind": "KIND_GPU", "gpus": [0, 1]},
+              {"name": "b", "count": 1, "kind": "KIND_GPU", "gpus": [1, 2]})
+    fewer = G.remove_one(one, "gpu1")     # at count 1 gpu1 leaves a group's gpus: that group reloads
+    assert G.instances_per_device(fewer) == {"gpu0": 1, "gpu1": 1, "gpu2": 1}
+
+
+@settings(max_examples=200, deadline=None)
+@given(gpus=st.lists(st.integers(0, 7), min_size=2, max_size=5, unique=True), count=st.integers(1, 3),
+       pinned=st.integers(0, 3), steps=st.lists(st.tuples(st.integers(0, 12), st.permutations(range(8))),
+                                                min_size=1, max_size=8))
+def test_steps_at_or_above_the_users_layout_load_only_the_instances_they_add(gpus, count, pinned, steps):
+    """From any layout the user wrote (a group over several GPUs, and one pinned to a GPU), any sequence of
+    totals at or above it loads exactly the instances each step adds (none on the way down), and coming
+    back to the layout's total gives the user's groups back."""
+    groups = [{"name": "m_0", "count": count, "kind": "KIND_GPU", "gpus": gpus}]
+    if pinned:
+        groups.append({"name": "p", "count": pinned, "kind": "KIND_GPU", "gpus": [gpus[0]]})
+    c = cfg(*groups)
+    base = G.total_instances(c)
+    now = c
+    for extra, order in steps:
+        nxt = G.with_total(now, base + extra, prefer=[f"gpu{k}" for k in order])
+        assert G.total_instances(nxt) == base + extra
+        assert loaded(now, nxt) == max(0, G.total_instances(nxt) - G.total_instances(now))
+        now = nxt
+    assert G.with_total(now, base)["instance_group"] == c["instance_group"]
 
 
 def test_eight_gpus_explicit_scale_down_keeps_one_per_gpu():

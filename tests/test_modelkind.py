@@ -139,11 +139,11 @@ def test_a_model_on_two_gpus_grows_on_the_idle_one():
     mm = ctl.models["g"]
     assert mm.limits.min_instances == 2                       # one per GPU the group names
     assert control.loads and control.loads[0][1] == Settings(3, 0)
-    assert sent[0]["instance_group"] == [{"name": "g_0", "count": 1, "kind": "KIND_GPU", "gpus": [0]},
-                      {"name": "g_0_gpu1", "count": 2, "kind": "KIND_GPU", "gpus": [1]}]
+    assert sent[0]["instance_group"] == [{"name": "g_0", "count": 1, "kind": "KIND_GPU", "gpus": [0, 1]},
+                                         {"name": "g_0_gpu1", "count": 1, "kind": "KIND_GPU", "gpus": [1]}]
     run_ticks(ctl, clock, 1)
     assert ctl.status_snapshot()["models"]["g"]["per_device"] == {"gpu0": 1, "gpu1": 2}
-    run_ticks(ctl, clock, 12)         # the fake's throughput does not grow: it steps back, and the group merges again
+    run_ticks(ctl, clock, 12)         # the fake's throughput does not grow: it steps back: the extra group goes, the user's is as written
     ctl.wait_for_pending()
     assert control.configs["g"]["instance_group"] == two["instance_group"]
     ctl.close()
