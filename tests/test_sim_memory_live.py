@@ -69,7 +69,6 @@ def test_memory_after_an_in_place_scale_up_that_reuses_a_live_instance_name():
         server.stop()
 
 
-
 def _two_gpu_repo(tmp_path):
     shutil.copytree(ROOT / "model_repository" / "sim_accel", tmp_path / "sim2", ignore=shutil.ignore_patterns("__pycache__"))
     cfg = tmp_path / "sim2" / "config.pbtxt"
