@@ -184,7 +184,15 @@ def test_ensemble_is_never_reloaded_and_its_step_grows_on_the_two_simulated_gpus
     assert all(r["kind"] == "in_place" for r in records if r["model"] == "sim2" and r["action"] == "applied")
     after = control.config("sim2")
     per = groups.instances_per_device(after)
-    assert set(per) == {"gpu0", "gpu1"} and sum(per.values()) == controller.models["sim2"].current.instance_count >= 3
+    live = controller.models["sim2"].current.instance_count
+    assert set(per) == {"gpu0", "gpu1"} and sum(per.values()) == live >= 2
+    # it may step back where the added instances bought nothing on this machine (a CI run: 4 instances read a
+    # p99 of 35.0 ms where 2 had read 30.0, contention measured at gamma 0.12: "2x0us predicted buys nothing");
+    # then by a scale-down decision, each on both GPUs
+    applied = [r for r in records if r["model"] == "sim2" and r["action"] == "applied"]
+    downs = [b for a, b in zip(applied, applied[1:]) if b["target"]["instances"] < a["target"]["instances"]]
+    assert live >= 3 or (downs and all(r["reason"].startswith("ScaleDown") for r in downs)), \
+        [(r["reason"], r["target"], r["detail"][:120]) for r in applied]
     assert [(g["name"], g["kind"]) for g in after["instance_group"]] == [("sim2_simgpu0", "KIND_CPU"),
                                                                         ("sim2_simgpu1", "KIND_CPU")]
     devices = controller.models["sim2"].last_obs.gpus
