@@ -527,6 +527,18 @@ class Controller:
             mm.state = policy.record_dry_run(mm.state, now)
             return
         full = decision.target.max_queue_delay_us != mm.current.max_queue_delay_us
+        if decision.target.instance_count > mm.current.instance_count and any(
+                o is not mm and o.pending is not None
+                and o.pending.decision.target.instance_count > o.pending.before.instance_count
+                for o in self.models.values()) \
+                and policy.memory_cap(mm.current, mm.limits, mm.state, obs) is not None:
+            # why: each model's room under a memory budget is read from the memory in use, which does not yet
+            # hold the other model's instances being added; two steps in one tick went over a shared budget
+            # (a CI run: two models each took the "one step to learn an instance's cost", 4 instances of 64 MiB
+            # against 224). One growing model at a time; the next tick reads the memory with its instances in.
+            self._record(mm, Decision(mm.current, "HoldOtherScaleUp", detail=f"wanted {_fmt(decision.target)}"),
+                         obs, now, "hold")
+            return
         if full and any(o.pending is not None and o.pending.full_reload for o in self.models.values()):
             # why: a full reload holds old + new memory until it finishes; two at once could exceed the budget
             self._record(mm, Decision(mm.current, "HoldOtherFullReload", detail=f"wanted {_fmt(decision.target)}"),

@@ -225,6 +225,33 @@ def test_only_one_full_reload_at_a_time():
     ctl.close()
 
 
+@pytest.mark.parametrize("budgeted", [True, False])
+def test_under_a_memory_budget_one_model_grows_at_a_time(monkeypatch, budgeted):
+    """Each model's room is read from the memory in use, which does not yet hold the instances another model is
+    adding: two scale-ups in one tick went over a shared budget. Under a budget the second waits; without one
+    (memory_cap None) both go."""
+    from controller import loop as loop_module
+    from controller.types import Decision, Observation
+    monkeypatch.setattr(loop_module.policy, "memory_cap", lambda *a: 3 if budgeted else None)
+    clock = Clock()
+    ctl, control, _ = make(["a", "b"], {"a": FakeModel(10, 5, 4), "b": FakeModel(10, 5, 4)}, clock)
+    control.gates["a"] = threading.Event()
+    try:
+        run_ticks(ctl, clock, 1)
+        a, b = ctl.models["a"], ctl.models["b"]
+        ctl._act(a, Decision(Settings(2, 0), "ScaleUpPredicted"), Observation(valid=False), clock.t)
+        ctl._act(b, Decision(Settings(2, 0), "ScaleUpPredicted"), Observation(valid=False), clock.t)
+        assert a.pending is not None
+        if budgeted:
+            assert b.pending is None and b.last_decision.reason == "HoldOtherScaleUp"
+        else:
+            assert b.pending is not None
+    finally:
+        control.gates["a"].set()
+    ctl.wait_for_pending()
+    ctl.close()
+
+
 def test_without_a_trace_file_the_p99_falls_back_to_the_estimate(caplog):
     clock = Clock()
     api = FakeTraceApi(trace_file=None)
