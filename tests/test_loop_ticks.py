@@ -206,23 +206,28 @@ def test_a_slow_reload_does_not_stall_the_loop_or_another_model():
     ctl.close()
 
 
-def test_only_one_full_reload_at_a_time():
+def _both_act(wanted):
+    """Models a and b each act on `wanted` in one tick, a's change held in flight: (a, b) as they are then."""
+    from controller.types import Decision, Observation
     clock = Clock()
     ctl, control, _ = make(["a", "b"], {"a": FakeModel(10, 5, 4), "b": FakeModel(10, 5, 4)}, clock)
     control.gates["a"] = threading.Event()
     try:
         run_ticks(ctl, clock, 1)
-        from controller.types import Decision
-        from controller.types import Observation
         a, b = ctl.models["a"], ctl.models["b"]
-        ctl._act(a, Decision(Settings(1, 1000), "DelayIncreaseSmallBatches"), Observation(valid=False), clock.t)
-        ctl._act(b, Decision(Settings(1, 1000), "DelayIncreaseSmallBatches"), Observation(valid=False), clock.t)
-        assert a.pending is not None and a.pending.full_reload
-        assert b.pending is None and b.last_decision.reason == "HoldOtherFullReload"
+        for mm in (a, b):
+            ctl._act(mm, Decision(wanted[0], wanted[1]), Observation(valid=False), clock.t)
+        return a, b, (a.pending is not None, a.pending is not None and a.pending.full_reload, b.pending is not None,
+                      b.last_decision.reason if b.pending is None else None)
     finally:
         control.gates["a"].set()
-    ctl.wait_for_pending()
-    ctl.close()
+        ctl.wait_for_pending()
+        ctl.close()
+
+
+def test_only_one_full_reload_at_a_time():
+    _, _, seen = _both_act((Settings(1, 1000), "DelayIncreaseSmallBatches"))
+    assert seen == (True, True, False, "HoldOtherFullReload")
 
 
 @pytest.mark.parametrize("budgeted", [True, False])
@@ -231,25 +236,9 @@ def test_under_a_memory_budget_one_model_grows_at_a_time(monkeypatch, budgeted):
     adding: two scale-ups in one tick went over a shared budget. Under a budget the second waits; without one
     (memory_cap None) both go."""
     from controller import loop as loop_module
-    from controller.types import Decision, Observation
     monkeypatch.setattr(loop_module.policy, "memory_cap", lambda *a: 3 if budgeted else None)
-    clock = Clock()
-    ctl, control, _ = make(["a", "b"], {"a": FakeModel(10, 5, 4), "b": FakeModel(10, 5, 4)}, clock)
-    control.gates["a"] = threading.Event()
-    try:
-        run_ticks(ctl, clock, 1)
-        a, b = ctl.models["a"], ctl.models["b"]
-        ctl._act(a, Decision(Settings(2, 0), "ScaleUpPredicted"), Observation(valid=False), clock.t)
-        ctl._act(b, Decision(Settings(2, 0), "ScaleUpPredicted"), Observation(valid=False), clock.t)
-        assert a.pending is not None
-        if budgeted:
-            assert b.pending is None and b.last_decision.reason == "HoldOtherScaleUp"
-        else:
-            assert b.pending is not None
-    finally:
-        control.gates["a"].set()
-    ctl.wait_for_pending()
-    ctl.close()
+    _, _, seen = _both_act((Settings(2, 0), "ScaleUpPredicted"))
+    assert seen == ((True, False, False, "HoldOtherScaleUp") if budgeted else (True, False, True, None))
 
 
 def test_without_a_trace_file_the_p99_falls_back_to_the_estimate(caplog):
