@@ -158,7 +158,7 @@ def add_one(config: dict, device: str, visible_gpus: Sequence[int] | None = None
     prefix = f"{base.get('name')}{SPLIT_SUFFIX}"
     while base.get("name") and at < len(groups) and str(groups[at].get("name") or "").startswith(prefix):
         at += 1                                              # after the extra groups it already has
-    groups.insert(at, _extra(base, device, 1))
+    groups.insert(at, _extra(base, views[0], device, 1))
     return new
 
 
@@ -187,27 +187,32 @@ def remove_one(config: dict, device: str, visible_gpus: Sequence[int] | None = N
         else:
             del groups[g.index]
         return new
-    if not device.startswith("gpu") or device == "gpu":
-        raise GroupError(f"cannot remove an instance from {device} alone in a group over {', '.join(g.devices)}")
+    _gpu_id(device, g)
     if g.count > 1:
         group["count"] = g.count - 1
         for other in g.devices:
             if other != device:
                 new = add_one(new, other, visible_gpus)
         return new
-    group["gpus"] = [int(d[3:]) for d in g.devices if d != device]
+    group["gpus"] = [_gpu_id(d, g) for d in g.devices if d != device]
     return new
 
 
-def _extra(group: dict, device: str, count: int) -> dict:
-    """A copy of a group over several GPUs that holds `count` more instances on `device` alone."""
+def _gpu_id(device: str, g: GroupView) -> int:
+    """The GPU id of `device` ("gpu<k>") in group g over several GPUs; GroupError where it names none."""
     if not device.startswith("gpu") or device == "gpu":
-        raise GroupError(f"cannot place an instance on {device} alone in a group over several GPUs")
+        raise GroupError(f"cannot place or remove an instance on {device} alone in a group over {', '.join(g.devices)}")
+    return int(device[3:])
+
+
+def _extra(group: dict, g: GroupView, device: str, count: int) -> dict:
+    """A copy of group g (over several GPUs) that holds `count` more instances on `device` alone."""
+    k = _gpu_id(device, g)
     mine = copy.deepcopy(group)
-    mine["gpus"] = [int(device[3:])]
+    mine["gpus"] = [k]
     mine["count"] = count
     if group.get("name"):
-        mine["name"] = f"{group['name']}{SPLIT_SUFFIX}{device[3:]}"
+        mine["name"] = f"{group['name']}{SPLIT_SUFFIX}{k}"
     return mine
 
 

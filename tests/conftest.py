@@ -66,3 +66,31 @@ def sim_server():
     s = start_server(["sim_accel"])
     yield s
     s.stop()
+
+
+def sim_copy(repo: Path, name: str, replace: dict[str, str]) -> None:
+    """A copy of model_repository/sim_accel named `name` in `repo`, with each `replace` (old: new) made in its
+    config.pbtxt (each old text must be there)."""
+    shutil.copytree(ROOT / "model_repository" / "sim_accel", repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = repo / name / "config.pbtxt"
+    text = cfg.read_text().replace('name: "sim_accel"', f'name: "{name}"')
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    cfg.write_text(text)
+
+
+def sim_gpu_memory_mib(scraper) -> dict[int, float]:
+    """Memory in use per simulated GPU, as the instances report it on the server's /metrics (`scraper`: a
+    controller.signals.Scraper); RuntimeError when /metrics cannot be read."""
+    from controller.gpu import SIM_GPU_MEMORY
+    metrics = scraper.metrics()
+    if metrics is None:
+        raise RuntimeError("the server's /metrics could not be read")
+    out: dict[int, float] = {}
+    for c in metrics.values():
+        for key, value in c.custom.items():
+            m = SIM_GPU_MEMORY.fullmatch(key)
+            if m:
+                out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + value / 2**20
+    return out

@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import shutil
 import threading
 
 import pytest
 
-from conftest import ROOT, live_stubs, start_server
+from conftest import live_stubs, sim_copy, sim_gpu_memory_mib, start_server
 from controller import groups
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
@@ -26,8 +25,6 @@ from controller.evaluation.loadgen import inputs_from_config, load_trace, poisso
 from controller.gpu import SIM_GPU_MEMORY
 from controller.loop import Controller
 from controller.signals import Scraper
-
-SIM = ROOT / "model_repository" / "sim_accel"
 
 ENSEMBLE = """name: "ens"
 platform: "ensemble"
@@ -72,16 +69,6 @@ class TritonPythonModel:
 '''
 
 
-def _sim_copy(repo, name: str, replace: dict[str, str]) -> None:
-    shutil.copytree(SIM, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    cfg = repo / name / "config.pbtxt"
-    text = cfg.read_text().replace('name: "sim_accel"', f'name: "{name}"')
-    for old, new in replace.items():
-        assert old in text, old
-        text = text.replace(old, new)
-    cfg.write_text(text)
-
-
 SLOW = {'"fixed_overhead_ms", value: { string_value: "4" }': '"fixed_overhead_ms", value: { string_value: "8" }',
         '"device_parallelism", value: { string_value: "2" }': '"device_parallelism", value: { string_value: "1" }'}
 
@@ -89,20 +76,20 @@ SLOW = {'"fixed_overhead_ms", value: { string_value: "4" }': '"fixed_overhead_ms
 @pytest.fixture(scope="module")
 def repo_server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    _sim_copy(repo, "sim2", {
+    sim_copy(repo, "sim2", {
         **SLOW, "max_batch_size: 32": "max_batch_size: 4",
         "{ count: 1, kind: KIND_CPU }": '{ name: "sim2_simgpu0", count: 1, kind: KIND_CPU, host_policy: "simgpu0" },\n'
                                         '  { name: "sim2_simgpu1", count: 1, kind: KIND_CPU, host_policy: "simgpu1" }'})
     (repo / "ens" / "1").mkdir(parents=True)
     (repo / "ens" / "config.pbtxt").write_text(ENSEMBLE.replace("max_batch_size: 32", "max_batch_size: 4"))
-    _sim_copy(repo, "plain", {
+    sim_copy(repo, "plain", {
         **SLOW, "max_batch_size: 32": "max_batch_size: 0", "dims: [ 16 ]": "dims: [ 1, 16 ]",
         "dynamic_batching {\n  max_queue_delay_microseconds: 0\n}\n": "",
         '"device_name", value: { string_value: "sim0" }': '"device_name", value: { string_value: "plain_dev" }'})
     (repo / "bls" / "1").mkdir(parents=True)
     (repo / "bls" / "config.pbtxt").write_text(BLS_CONFIG)
     (repo / "bls" / "1" / "model.py").write_text(BLS_MODEL)
-    _sim_copy(repo, "hog", {"{ count: 1, kind: KIND_CPU }": '{ name: "hog_simgpu0", count: 2, kind: KIND_CPU, host_policy: "simgpu0" }'})
+    sim_copy(repo, "hog", {"{ count: 1, kind: KIND_CPU }": '{ name: "hog_simgpu0", count: 2, kind: KIND_CPU, host_policy: "simgpu0" }'})
     s = start_server(["sim2", "ens", "plain", "bls", "hog"], repository=repo)
     yield s
     s.stop()
@@ -261,20 +248,6 @@ def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog
           f"{controller.models['sim2'].current.instance_count} instances")
 
 
-def _gpu_memory_mib(scraper: Scraper) -> dict[int, float]:
-    """Memory in use per simulated GPU, as the instances report it on the server's /metrics."""
-    metrics = scraper.metrics()
-    if metrics is None:
-        raise RuntimeError("the server's /metrics could not be read")
-    out: dict[int, float] = {}
-    for c in metrics.values():
-        for key, value in c.custom.items():
-            m = SIM_GPU_MEMORY.fullmatch(key)
-            if m:
-                out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + value / 2**20
-    return out
-
-
 def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_room(repo_server, tmp_path):
     """sim2 has one instance on each simulated GPU; `hog` fills GPU 0 up to the 192 MiB budget (2 + 1 instances
     of 64 MiB), GPU 1 holds 64 MiB. Under load sim2 may grow by 2, on GPU 1 only: the budget holds on each GPU
@@ -294,7 +267,7 @@ def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_roo
         scraper = Scraper(repo_server.metrics_url, repo_server.http_url)
         while not stop.wait(0.25):
             try:
-                samples.append((groups.instances_per_device(watcher.config("sim2")), _gpu_memory_mib(scraper)))
+                samples.append((groups.instances_per_device(watcher.config("sim2")), sim_gpu_memory_mib(scraper)))
             except Exception as e:  # noqa: BLE001 - a missed sample is counted, not fatal
                 errors.append(repr(e))
         watcher.close()

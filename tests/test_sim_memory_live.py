@@ -6,15 +6,14 @@ updates (the groups' host policies keep Triton from moving an instance between t
 from __future__ import annotations
 
 import copy
-import shutil
 import time
 
 import pytest
-from conftest import ROOT, start_server
+from conftest import sim_copy, sim_gpu_memory_mib, start_server
 
 from controller import groups
 from controller.actuation import Actuator, TritonControl
-from controller.gpu import SIM_GPU_MEMORY, SIM_MEMORY_METRIC
+from controller.gpu import SIM_MEMORY_METRIC
 from controller.signals import Scraper
 from controller.types import Settings
 
@@ -70,13 +69,9 @@ def test_memory_after_an_in_place_scale_up_that_reuses_a_live_instance_name():
 
 
 def _two_gpu_repo(tmp_path):
-    shutil.copytree(ROOT / "model_repository" / "sim_accel", tmp_path / "sim2", ignore=shutil.ignore_patterns("__pycache__"))
-    cfg = tmp_path / "sim2" / "config.pbtxt"
-    text = cfg.read_text().replace('name: "sim_accel"', 'name: "sim2"')
-    one = "{ count: 1, kind: KIND_CPU }"
-    assert one in text
-    cfg.write_text(text.replace(one, '{ name: "sim2_simgpu0", count: 1, kind: KIND_CPU, host_policy: "simgpu0" },\n'
-                                     '  { name: "sim2_simgpu1", count: 1, kind: KIND_CPU, host_policy: "simgpu1" }'))
+    sim_copy(tmp_path, "sim2", {"{ count: 1, kind: KIND_CPU }":
+                                '{ name: "sim2_simgpu0", count: 1, kind: KIND_CPU, host_policy: "simgpu0" },\n'
+                                '  { name: "sim2_simgpu1", count: 1, kind: KIND_CPU, host_policy: "simgpu1" }'})
     return tmp_path
 
 
@@ -86,16 +81,6 @@ def two_gpu_server(tmp_path_factory):
     s = start_server(["sim2"], repository=_two_gpu_repo(tmp_path_factory.mktemp("repo")))
     yield s
     s.stop()
-
-
-def _per_gpu_mib(scraper: Scraper) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for counters in (scraper.metrics() or {}).values():
-        for key, value in counters.custom.items():
-            m = SIM_GPU_MEMORY.fullmatch(key)
-            if m:
-                out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + value / MiB
-    return out
 
 
 def test_each_simulated_gpu_reports_its_own_groups_instances_through_in_place_updates(two_gpu_server):
@@ -114,7 +99,10 @@ def test_each_simulated_gpu_reports_its_own_groups_instances_through_in_place_up
         expected = {0: 64.0 * counts[0], 1: 64.0 * counts[1]}
         deadline, seen = time.monotonic() + 10.0, None
         while time.monotonic() < deadline and seen != expected:
-            seen = _per_gpu_mib(scraper)
+            try:
+                seen = sim_gpu_memory_mib(scraper)
+            except RuntimeError:                       # a scrape that failed: read again
+                pass
             time.sleep(0.3)
         assert seen == expected, (counts, seen)
 

@@ -99,11 +99,14 @@ def _alive(pid: int) -> bool:
         return True
 
 
+SIM_GPU_GROUP = re.compile(r".*_simgpu(\d+)")   # a group on simulated GPU k (the controller's groups.py reads the same)
+
+
 def _check_sim_gpu_groups(config: dict) -> None:
     """Every `*_simgpu<k>` group carries `host_policy: "simgpu<k>"` (see the module's docstring: without it an
     in-place update can move an instance to another simulated GPU's group while it reports on its own)."""
     for group in config.get("instance_group", []):
-        m = re.fullmatch(r".*_simgpu(\d+)", str(group.get("name", "")))
+        m = SIM_GPU_GROUP.fullmatch(str(group.get("name", "")))
         if m and group.get("host_policy") != f"simgpu{m.group(1)}":
             raise pb_utils.TritonModelException(
                 f"instance group '{group['name']}' runs on simulated GPU {m.group(1)} and needs "
@@ -130,7 +133,7 @@ class TritonPythonModel:
         self.host_per_item_s = float(_param(config, "host_per_item_ms", "1.0")) / 1e3
         self.base_s = float(_param(config, "compute_base_ms", "2")) / 1e3
         self.per_item_s = float(_param(config, "compute_per_item_ms", "0.5")) / 1e3
-        m = re.search(r"_simgpu(\d+)$", self.instance_name.rsplit("_", 1)[0])
+        m = SIM_GPU_GROUP.fullmatch(self.instance_name.rsplit("_", 1)[0])
         self.sim_gpu = int(m.group(1)) if m else None      # which simulated GPU, for a `*_simgpu<k>` group
         _check_sim_gpu_groups(config)
         device = _param(config, "device_name", "sim0") + ("" if self.sim_gpu is None else f"_gpu{self.sim_gpu}")
