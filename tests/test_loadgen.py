@@ -11,7 +11,7 @@ import pytest
 from controller.evaluation.loadgen import (
     ERROR_CLIENT_OVERLOADED, ERROR_TIMEOUT, RequestRecord, TraceError, inputs_from_config,
     load_trace, make_inputs_from_config, make_resnet_tiny_inputs, poisson_schedule,
-    require_loopback, run_open_loop_sync, summarize,
+    gc_frozen, require_loopback, run_open_loop_sync, summarize,
 )
 
 
@@ -404,6 +404,47 @@ def test_open_loop_against_real_server(server):
     assert max(r.sent_s - r.scheduled_s for r in records) < 0.5    # open loop: on time at 30 rps
     s = summarize(records, trace, sla_ms=1000)
     assert s.totals.ok == len(records) and s.phases[0].p99_ms is not None
+
+
+def test_a_run_keeps_the_process_heap_out_of_the_garbage_collector(server):
+    # why: a full collection over a big heap (a test session's, a bench's) stops the client's event loop and
+    # reads as server latency; gc_frozen's docstring has the measurement
+    import gc
+    import threading
+
+    assert gc.get_freeze_count() == 0
+    seen = []
+    probe = threading.Timer(0.5, lambda: seen.append(gc.get_freeze_count()))
+    probe.start()
+    records = run_open_loop_sync(server.grpc_url, "resnet_tiny", np.linspace(0, 1.5, 30), make_resnet_tiny_inputs(),
+                                 timeout_s=10.0)
+    probe.join()
+    assert all(r.ok for r in records)
+    assert seen and seen[0] > 1000                 # mid-run: the objects alive before it are frozen
+    assert gc.get_freeze_count() == 0              # and given back afterwards
+
+
+def test_gc_frozen_nests_across_overlapping_runs():
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    with gc_frozen():
+        with gc_frozen():
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0           # the outer run is still measuring
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError):
+        with gc_frozen():
+            raise RuntimeError("a run that fails")
+    assert gc.get_freeze_count() == 0              # given back on an exception too
+    gc.freeze()                                    # the process's own freeze (a pre-fork server's) ...
+    try:
+        mine = gc.get_freeze_count()
+        with gc_frozen():
+            pass
+        assert gc.get_freeze_count() >= mine > 0   # ... is not undone by a run
+    finally:
+        gc.unfreeze()
 
 
 def test_open_loop_http_and_config_inputs(server):

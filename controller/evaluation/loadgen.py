@@ -10,7 +10,8 @@ Four parts, usable on their own:
 3. **Driving** (`run_open_loop`, `run_open_loop_sync`): every request is sent at its scheduled time
    whether or not earlier ones have finished, and its latency is measured from the *scheduled*
    time, so a late send (client or event loop behind) counts against latency instead of vanishing.
-   Only loopback targets are accepted.
+   Only loopback targets are accepted. While a run drives, the process's older objects are kept out of
+   the garbage collector (`gc_frozen`), so a full collection cannot stall the sends it measures.
 4. **Summaries** (`summarize`): per-bin and per-phase rates, goodput and latency percentiles.
 
 Trace format::
@@ -32,10 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import dataclasses
+import gc
 import ipaddress
 import json
 import math
+import threading
 import urllib.parse
 import urllib.request
 from collections import Counter
@@ -48,7 +52,7 @@ import numpy as np
 __all__ = [
     "TraceError", "Burst", "Phase", "Trace", "load_trace", "expand_day_curve",
     "poisson_schedule",
-    "RequestRecord", "InputFactory", "require_loopback", "run_open_loop", "run_open_loop_sync",
+    "RequestRecord", "InputFactory", "require_loopback", "run_open_loop", "run_open_loop_sync", "gc_frozen",
     "make_resnet_tiny_inputs", "make_inputs_from_config", "inputs_from_config",
     "BinStats", "PhaseStats", "Totals", "LoadSummary", "summarize",
     "ERROR_TIMEOUT", "ERROR_CLIENT_OVERLOADED",
@@ -605,6 +609,7 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
     - `keep_late_calls` (default: True over gRPC, False over HTTP) says whether a late call is left to
       finish; False over gRPC only to reproduce the crash (`scripts/grpc_cancel_repro.py`).
     - `make_inputs()` is called once; the same tensors go with every request.
+    - While it drives, the process's older objects are frozen out of the garbage collector (`gc_frozen`).
     - Only loopback targets are accepted (ValueError otherwise). Raises ConnectionError if the
       server is not live before the run starts.
     """
@@ -619,10 +624,46 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
         inputs = _infer_inputs(module, make_inputs())
         await _check_live(client, target, LIVE_CHECK_TIMEOUT_S)   # also opens the connection before t0
         keep = protocol == "grpc" if keep_late_calls is None else keep_late_calls
-        return await _Run(client, model, inputs, offsets_s, timeout_s, max_in_flight, headers,
-                          keep_late_calls=keep).drive()
+        with gc_frozen():
+            return await _Run(client, model, inputs, offsets_s, timeout_s, max_in_flight, headers,
+                              keep_late_calls=keep).drive()
     finally:
         await client.close()
+
+
+_gc_lock = threading.Lock()
+_gc_runs = 0      # runs inside gc_frozen now (several: soak's concurrent runs, bench_multi's threads)
+_gc_frozen_before = False   # the process had frozen objects of its own when the first of them came in
+
+
+@contextlib.contextmanager
+def gc_frozen():
+    """Move every object the process holds now into the collector's permanent generation for the block.
+
+    why: latency is measured from each request's scheduled time, and the client shares its process (and the
+    GIL) with whatever else lives there. A full (generation-2) collection walks every tracked object: in a
+    test session or a bench process holding millions of them it stops the event loop for 0.1-0.7 s (656 ms
+    measured here over a heap of 3 M small objects), and every request due in that pause is sent late and
+    counted late: a p99 that says "the server stalled" when the client did. Frozen objects are skipped by
+    every collection (gc.freeze), so collections during the run walk only what the run allocates; new
+    garbage is still collected. Reference-counted across overlapping runs (threads or tasks): the first in
+    freezes, the last out unfreezes, unless the process had frozen objects of its own before (a pre-fork
+    server's gc.freeze), which stay frozen. Nothing is lost: at worst a cycle among the frozen objects waits
+    for a collection after the run.
+    """
+    global _gc_runs, _gc_frozen_before
+    with _gc_lock:
+        if _gc_runs == 0:
+            _gc_frozen_before = gc.get_freeze_count() > 0
+        _gc_runs += 1
+        gc.freeze()          # also when already frozen: what the neighbours allocated since
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_runs -= 1
+            if _gc_runs == 0 and not _gc_frozen_before:
+                gc.unfreeze()
 
 
 async def _check_live(client: Any, target: str, timeout_s: float) -> None:
