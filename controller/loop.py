@@ -530,12 +530,14 @@ class Controller:
         if decision.target.instance_count > mm.current.instance_count and any(
                 o is not mm and o.pending is not None
                 and o.pending.decision.target.instance_count > o.pending.before.instance_count
+                and groups.may_share_memory(list(mm.per_device), list(o.per_device))
                 for o in self.models.values()) \
                 and policy.memory_cap(mm.current, mm.limits, mm.state, obs) is not None:
             # why: each model's room under a memory budget is read from the memory in use, which does not yet
             # hold the other model's instances being added; two steps in one tick went over a shared budget
             # (a CI run: two models each took the "one step to learn an instance's cost", 4 instances of 64 MiB
-            # against 224). One growing model at a time; the next tick reads the memory with its instances in.
+            # against 224). One growing model per GPU at a time; the next tick reads the memory with its
+            # instances in. Models on different GPUs each have their own budget (policy.memory_room): no wait.
             self._record(mm, Decision(mm.current, "HoldOtherScaleUp", detail=f"wanted {_fmt(decision.target)}"),
                          obs, now, "hold")
             return

@@ -313,3 +313,15 @@ def test_simulated_gpu_groups_read_as_gpus():
     assert new["instance_group"] == [{"name": "sim_simgpu0", "count": 2, "kind": "KIND_CPU", "host_policy": "simgpu0"},
                                      {"name": "sim_simgpu1", "count": 2, "kind": "KIND_CPU", "host_policy": "simgpu1"}]
     assert G.min_total(c) == 2
+
+
+@pytest.mark.parametrize("a, b, shared", [
+    (["gpu0"], ["gpu1"], False),
+    (["gpu0", "gpu1"], ["gpu1"], True),
+    (["gpu10"], ["gpu1"], False),                 # gpu10 is not gpu1
+    (["gpu"], ["gpu1"], True),                    # ids not known
+    (["model"], ["gpu1"], True), (["auto"], ["gpu0"], True), (["cpu"], ["cpu"], True),
+    ([], ["gpu0"], True),                         # placement not read yet
+])
+def test_models_apart_only_on_named_gpus_that_differ(a, b, shared):
+    assert G.may_share_memory(a, b) is shared and G.may_share_memory(b, a) is shared

@@ -206,8 +206,9 @@ def test_a_slow_reload_does_not_stall_the_loop_or_another_model():
     ctl.close()
 
 
-def _both_act(wanted):
-    """Models a and b each act on `wanted` in one tick, a's change held in flight: (a, b) as they are then."""
+def _both_act(wanted, placement=None):
+    """Models a and b each act on `wanted` in one tick, a's change held in flight: (a, b) as they are then.
+    `placement`: the devices a and b are on, as (a's, b's) (default: as the fake config reads)."""
     from controller.types import Decision, Observation
     clock = Clock()
     ctl, control, _ = make(["a", "b"], {"a": FakeModel(10, 5, 4), "b": FakeModel(10, 5, 4)}, clock)
@@ -215,6 +216,8 @@ def _both_act(wanted):
     try:
         run_ticks(ctl, clock, 1)
         a, b = ctl.models["a"], ctl.models["b"]
+        if placement is not None:
+            a.per_device, b.per_device = ({d: 1 for d in devices} for devices in placement)
         for mm in (a, b):
             ctl._act(mm, Decision(wanted[0], wanted[1]), Observation(valid=False), clock.t)
         return a, b, (a.pending is not None, a.pending is not None and a.pending.full_reload, b.pending is not None,
@@ -239,6 +242,20 @@ def test_under_a_memory_budget_one_model_grows_at_a_time(monkeypatch, budgeted):
     monkeypatch.setattr(loop_module.policy, "memory_cap", lambda *a: 3 if budgeted else None)
     _, _, seen = _both_act((Settings(2, 0), "ScaleUpPredicted"))
     assert seen == ((True, False, False, "HoldOtherScaleUp") if budgeted else (True, False, True, None))
+
+
+@pytest.mark.parametrize("placement, waits", [
+    ((["gpu0"], ["gpu1"]), False),                 # each on its own GPU, each with its own budget
+    ((["gpu0", "gpu1"], ["gpu2", "gpu3"]), False),
+    ((["gpu0"], ["gpu0", "gpu1"]), True),          # b could add on gpu0, where a is adding
+    ((["gpu"], ["gpu1"]), True),                   # a's GPU ids not known: it may be on gpu1
+    ((["cpu"], ["cpu"]), True),                    # the simulated device: one memory
+])
+def test_under_a_budget_models_on_different_gpus_grow_together(monkeypatch, placement, waits):
+    from controller import loop as loop_module
+    monkeypatch.setattr(loop_module.policy, "memory_cap", lambda *a: 3)
+    _, _, seen = _both_act((Settings(2, 0), "ScaleUpPredicted"), placement)
+    assert seen == ((True, False, False, "HoldOtherScaleUp") if waits else (True, False, True, None))
 
 
 def test_without_a_trace_file_the_p99_falls_back_to_the_estimate(caplog):
