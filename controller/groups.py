@@ -126,13 +126,15 @@ def instances_per_device(config: dict, visible_gpus: Sequence[int] | None = None
     return per
 
 
+_NAMED_GPU = re.compile(r"gpu\d+")      # gpu_key's form
+
+
 def may_share_memory(a: Sequence[str], b: Sequence[str]) -> bool:
     """Whether two models placed on devices `a` and `b` (instances_per_device's keys) can draw on one GPU's
     memory. Only models both placed on named GPUs alone are known apart: {gpu0} and {gpu1, gpu2} are not;
     {gpu0} and {gpu0, gpu1} are; "gpu" (ids not known), "cpu", "model", "auto" or an unknown placement may be
     anywhere, so it is taken as shared."""
-    named = re.compile(r"gpu\d+")
-    if not a or not b or not all(named.fullmatch(d) for d in (*a, *b)):
+    if not a or not b or not all(_NAMED_GPU.fullmatch(d) for d in (*a, *b)):
         return True
     return bool(set(a) & set(b))
 

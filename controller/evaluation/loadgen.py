@@ -641,10 +641,10 @@ def gc_frozen():
     """Move every object the process holds now into the collector's permanent generation for the block.
 
     why: latency is measured from each request's scheduled time, and the client shares its process (and the
-    GIL) with whatever else lives there. A full (generation-2) collection walks every tracked object: in a
-    test session or a bench process holding millions of them it stops the event loop for 0.1-0.7 s (656 ms
-    measured here over a heap of 3 M small objects), and every request due in that pause is sent late and
-    counted late: a p99 that says "the server stalled" when the client did. Frozen objects are skipped by
+    GIL) with whatever else lives there. A full (generation-2) collection walks every tracked object and
+    stops the event loop meanwhile: 656 ms measured here over a heap of 3 M small objects, 16 ms over the
+    ~100 k a bare process with this project's imports holds (a long test session holds more). Every request
+    due in that pause is sent late and counted late: a p99 that says "the server stalled" when the client did. Frozen objects are skipped by
     every collection (gc.freeze), so collections during the run walk only what the run allocates; new
     garbage is still collected. Reference-counted across overlapping runs (threads or tasks): the first in
     freezes, the last out unfreezes, unless the process had frozen objects of its own before (a pre-fork
