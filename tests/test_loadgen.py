@@ -429,9 +429,13 @@ def test_gc_frozen_nests_across_overlapping_runs():
 
     assert gc.get_freeze_count() == 0
     with gc_frozen():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        garbage = [[] for _ in range(1000)]        # allocated while the first run drives ...
         with gc_frozen():
-            assert gc.get_freeze_count() > 0
-        assert gc.get_freeze_count() > 0           # the outer run is still measuring
+            assert gc.get_freeze_count() == frozen     # ... stays collectable when a second starts
+        del garbage
+        assert gc.get_freeze_count() == frozen     # the outer run is still measuring
     assert gc.get_freeze_count() == 0
     with pytest.raises(RuntimeError):
         with gc_frozen():

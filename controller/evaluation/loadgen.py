@@ -648,15 +648,17 @@ def gc_frozen():
     every collection (gc.freeze), so collections during the run walk only what the run allocates; new
     garbage is still collected. Reference-counted across overlapping runs (threads or tasks): the first in
     freezes, the last out unfreezes, unless the process had frozen objects of its own before (a pre-fork
-    server's gc.freeze), which stay frozen. Nothing is lost: at worst a cycle among the frozen objects waits
-    for a collection after the run.
+    server's gc.freeze), which stay frozen. A run that starts while others drive freezes nothing more: soak
+    starts one every 2 s, each overlapping the last one's drain, and freezing at each start would keep every
+    cycle of garbage alive at those moments until the soak ends. So what is frozen is what was alive when the
+    first run started; at worst a cycle among it waits for a collection after the last run.
     """
     global _gc_runs, _gc_frozen_before
     with _gc_lock:
         if _gc_runs == 0:
             _gc_frozen_before = gc.get_freeze_count() > 0
+            gc.freeze()
         _gc_runs += 1
-        gc.freeze()          # also when already frozen: what the neighbours allocated since
     try:
         yield
     finally:
