@@ -643,15 +643,16 @@ def gc_frozen():
     why: latency is measured from each request's scheduled time, and the client shares its process (and the
     GIL) with whatever else lives there. A full (generation-2) collection walks every tracked object and
     stops the event loop meanwhile: 656 ms measured here over a heap of 3 M small objects, 16 ms over the
-    ~100 k a bare process with this project's imports holds (a long test session holds more). Every request
-    due in that pause is sent late and counted late: a p99 that says "the server stalled" when the client did. Frozen objects are skipped by
-    every collection (gc.freeze), so collections during the run walk only what the run allocates; new
-    garbage is still collected. Reference-counted across overlapping runs (threads or tasks): the first in
-    freezes, the last out unfreezes, unless the process had frozen objects of its own before (a pre-fork
-    server's gc.freeze), which stay frozen. A run that starts while others drive freezes nothing more: soak
-    starts one every 2 s, each overlapping the last one's drain, and freezing at each start would keep every
-    cycle of garbage alive at those moments until the soak ends. So what is frozen is what was alive when the
-    first run started; at worst a cycle among it waits for a collection after the last run.
+    ~100 k a bare process with this project's imports holds (a long test session may hold more). Every request
+    due in that pause is sent late and counted late: a p99 that says "the server stalled" when the client
+    did (`scripts/gc_pause_repro.py` shows it side by side). Frozen objects are skipped by every collection
+    (gc.freeze), so collections during the run walk only what the run allocates; new garbage is still
+    collected. Reference-counted across overlapping runs (threads or tasks): the first in freezes, the last
+    out unfreezes, unless the process had frozen objects of its own before (a pre-fork server's gc.freeze),
+    which stay frozen. A run that starts while others drive freezes nothing more: soak starts one every 2 s,
+    each overlapping the last one's drain, and freezing at each start would keep every cycle of garbage
+    alive at those moments until the soak ends. So what is frozen is what was alive when the first run
+    started; at worst a cycle among it waits for a collection after the last run.
     """
     global _gc_runs, _gc_frozen_before
     with _gc_lock:
