@@ -89,7 +89,12 @@ def check_growth(samples: list[dict], warmup_s: float, rss_mb: float, fds: int, 
     compared only with samples at the same instance count: for each count seen at least twice after the
     warm-up, the last against the first. (Seen over an hour: 63 + 35 threads per instance, exactly, at
     every count; comparing 6 instances at minute 2 with 8 at the end read as +70 threads.) The stubs
-    themselves come and go with the instance count and are not judged."""
+    themselves come and go with the instance count and are not judged. A server sample is judged only when
+    it is `steady` and the sample before it saw the same stub count: a CI run read 66 server threads at 2
+    instances (one instance's 63, plus 3) in the first sample after a scale-up, steady over its 1-s recheck
+    (the new stub was up, its instance's threads not yet), and 99 later at 2, "+33" that no leak made."""
+    count = lambda s: (s.get("stubs") or {}).get("count", 0)    # noqa: E731
+    settled = {id(s) for before, s in zip(samples, samples[1:]) if count(before) == count(s)}
     after = [s for s in samples if s["t_s"] >= warmup_s and all(s.get(w) for w in who)]
     if len(after) < 2:
         return [f"only {len(after)} samples after the warm-up"]
@@ -99,8 +104,8 @@ def check_growth(samples: list[dict], warmup_s: float, rss_mb: float, fds: int, 
         if w == "server":
             by_count: dict[int, list[dict]] = {}
             for s in after:
-                if s.get("steady", True):          # samples taken while an instance started or stopped are not judged
-                    by_count.setdefault((s.get("stubs") or {}).get("count", 0), []).append(s)
+                if s.get("steady", True) and id(s) in settled:   # not while an instance started or stopped
+                    by_count.setdefault(count(s), []).append(s)
             groups[w] = [(v[0], v[-1]) for v in by_count.values() if len(v) >= 2]
         else:
             groups[w] = [(after[0], after[-1])]

@@ -28,14 +28,21 @@ def test_check_growth_flags_only_what_grew_past_its_bound():
 def test_the_server_is_compared_at_the_same_instance_count():
     def s(t, n, threads, rss=60.0):
         return {"t_s": t, "controller": {"rss_mb": 90, "fds": 9, "threads": 10},
-                "server": {"rss_mb": rss, "fds": 60 + n, "threads": 28 + 35 * n}, "stubs": {"count": n}}
-    varying = [s(0, 1, 63), s(60, 6, 238), s(120, 2, 98), s(180, 8, 308), s(240, 6, 238), s(300, 2, 98)]
+                "server": {"rss_mb": rss, "fds": 60 + n, "threads": threads}, "stubs": {"count": n}}
+    varying = [s(t, n, 28 + 35 * n) for t, n in ((0, 1), (30, 1), (60, 6), (90, 6), (120, 2), (150, 2), (180, 8),
+                                                  (210, 8), (240, 6), (270, 6), (300, 2), (330, 2))]
     assert long_run.check_growth(varying, 30, rss_mb=20, fds=5, threads=5) == []     # more instances, not a leak
-    starting = varying + [{**s(330, 6, 203), "steady": False}]      # a stub up before its instance's threads
+    starting = varying + [{**s(340, 6, 203), "steady": False}]      # a stub up before its instance's threads
     assert long_run.check_growth(starting, 30, rss_mb=20, fds=5, threads=5) == []
+    # the CI case: the first sample after 1 -> 2 read one instance's threads and was steady over its recheck
+    scaled_up = [s(0, 1, 63), s(30, 1, 63), s(33, 1, 63), s(36, 2, 66), s(39, 2, 98), s(42, 2, 99)]
+    assert long_run.check_growth(scaled_up, 30, rss_mb=20, fds=5, threads=5) == []
     leaking = varying + [s(360, 2, 98, rss=95.0)]
     assert long_run.check_growth(leaking, 30, rss_mb=20, fds=5, threads=5) == [
         "server rss_mb at 2 instance(s): 60.0 -> 95.0 (bound +20)"]
+    threads_leaking = scaled_up + [s(45, 2, 120)]
+    assert long_run.check_growth(threads_leaking, 30, rss_mb=20, fds=5, threads=5) == [
+        "server threads at 2 instance(s): 98 -> 120 (bound +5)"]
 
 
 def test_two_minutes_of_serve_under_varying_load_stay_flat():
