@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 KIND_GPU, KIND_CPU, KIND_MODEL, KIND_AUTO = "KIND_GPU", "KIND_CPU", "KIND_MODEL", "KIND_AUTO"
@@ -62,6 +62,16 @@ class GroupView:
 
 def gpu_key(index: int) -> str:
     return f"gpu{int(index)}"
+
+
+_GPU_KEY = re.compile(r"gpu(\d+)")      # gpu_key's form
+
+
+def gpu_index(device: str) -> int | None:
+    """The GPU id in a key gpu_key made ("gpu3" -> 3); None for any other device ("gpu": ids not known, "cpu",
+    "model", "auto")."""
+    m = _GPU_KEY.fullmatch(device)
+    return int(m.group(1)) if m else None
 
 
 def _groups(config: dict) -> list[dict]:
@@ -126,15 +136,12 @@ def instances_per_device(config: dict, visible_gpus: Sequence[int] | None = None
     return per
 
 
-_NAMED_GPU = re.compile(r"gpu\d+")      # gpu_key's form
-
-
-def may_share_memory(a: Sequence[str], b: Sequence[str]) -> bool:
+def may_share_memory(a: Collection[str], b: Collection[str]) -> bool:
     """Whether two models placed on devices `a` and `b` (instances_per_device's keys) can draw on one GPU's
     memory. Only models both placed on named GPUs alone are known apart: {gpu0} and {gpu1, gpu2} are not;
     {gpu0} and {gpu0, gpu1} are; "gpu" (ids not known), "cpu", "model", "auto" or an unknown placement may be
     anywhere, so it is taken as shared."""
-    if not a or not b or not all(_NAMED_GPU.fullmatch(d) for d in (*a, *b)):
+    if not a or not b or any(gpu_index(d) is None for d in (*a, *b)):
         return True
     return bool(set(a) & set(b))
 
@@ -213,9 +220,10 @@ def remove_one(config: dict, device: str, visible_gpus: Sequence[int] | None = N
 
 def _gpu_id(device: str, g: GroupView) -> int:
     """The GPU id of `device` ("gpu<k>") in group g over several GPUs; GroupError where it names none."""
-    if not device.startswith("gpu") or device == "gpu":
+    k = gpu_index(device)
+    if k is None:
         raise GroupError(f"cannot place or remove an instance on {device} alone in a group over {', '.join(g.devices)}")
-    return int(device[3:])
+    return k
 
 
 def _extra(group: dict, g: GroupView, device: str, count: int) -> dict:

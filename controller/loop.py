@@ -530,7 +530,7 @@ class Controller:
         if decision.target.instance_count > mm.current.instance_count and any(
                 o is not mm and o.pending is not None
                 and o.pending.decision.target.instance_count > o.pending.before.instance_count
-                and groups.may_share_memory(list(mm.per_device), list(o.per_device))
+                and groups.may_share_memory(mm.per_device, o.per_device)
                 for o in self.models.values()) \
                 and policy.memory_cap(mm.current, mm.limits, mm.state, obs) is not None:
             # why: each model's room under a memory budget is read from the memory in use, which does not yet

@@ -31,7 +31,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from . import planner
+from . import groups, planner
 from .config import LoopConfig, ModelLimits
 from .planner import PlanInputs, PlannerState
 from .types import Cap, Decision, Observation, Settings
@@ -230,8 +230,8 @@ def gpu_memory(obs: Observation) -> dict[str, tuple[int, int | None]] | None:
     """{"gpu<k>": (used, total)} for each GPU this model's instances are on, from that GPU's own reading;
     None when the model is on no GPU the controller reads (a CPU group, the single simulated device) or a
     GPU it is on has no memory reading: then the memory rules use `device_memory` over every device."""
-    keys = [d for d, _ in obs.placement if d.startswith("gpu") and d[3:].isdigit()]
-    by_key = {f"gpu{g.index}": g for g in obs.gpus}
+    keys = [d for d, _ in obs.placement if groups.gpu_index(d) is not None]
+    by_key = {groups.gpu_key(g.index): g for g in obs.gpus}
     if not keys or any(k not in by_key or by_key[k].memory_used_bytes is None for k in keys):
         return None
     return {k: (int(by_key[k].memory_used_bytes), by_key[k].memory_total_bytes) for k in keys}
