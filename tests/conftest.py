@@ -94,3 +94,14 @@ def sim_gpu_memory_mib(scraper) -> dict[int, float]:
             if m:
                 out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + value / 2**20
     return out
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (registered under `name`, so its dataclasses resolve), for the tests of the
+    scripts that are not part of the package."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import load_script
 from controller.evaluation.loadgen import (
     ERROR_CLIENT_OVERLOADED, ERROR_TIMEOUT, RequestRecord, TraceError, inputs_from_config,
     load_trace, make_inputs_from_config, make_resnet_tiny_inputs, poisson_schedule,
@@ -530,14 +531,6 @@ def test_open_loop_unknown_model_fails_with_server_error(server):
     assert all(r.error not in (ERROR_TIMEOUT, ERROR_CLIENT_OVERLOADED) and "no_such_model" in r.error for r in records)
 
 
-def _script(name):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("script, argv, text", [
     ("grpc_cancel_repro", ["--arms", "cancel,bogus"], "--arms"), ("grpc_cancel_repro", ["--rate", "0"], "must be > 0"),
     ("gc_pause_repro", ["--arms", "plain,bogus"], "--arms"), ("gc_pause_repro", ["--every-s", "0"], "> 0"),
@@ -545,7 +538,7 @@ def _script(name):
 def test_the_repro_scripts_refuse_bad_arguments(capsys, script, argv, text):
     """scripts/grpc_cancel_repro.py, scripts/gc_pause_repro.py: a clear usage error, before any server starts."""
     with pytest.raises(SystemExit) as e:
-        _script(script).main(argv)
+        load_script(script).main(argv)
     assert e.value.code == 2 and text in capsys.readouterr().err
 
 
@@ -555,7 +548,7 @@ def test_gc_pause_repro_runs_both_arms_and_puts_the_freeze_back(tmp_path):
     load generator's freeze is the real one again afterwards."""
     from controller.evaluation import loadgen
     real = loadgen.gc_frozen
-    rc = _script("gc_pause_repro").main(["--objects", "1000", "--rates", "30", "--seconds", "1",
+    rc = load_script("gc_pause_repro").main(["--objects", "1000", "--rates", "30", "--seconds", "1",
                                           "--out", str(tmp_path)])
     assert rc in (0, 1)                            # 1 only where a frozen cell missed the SLA on a slow machine
     for arm in ("plain", "frozen"):

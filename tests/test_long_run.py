@@ -3,15 +3,9 @@ low/high every 20 s (the controller scales up and down), sampled every 3 s; afte
 nor the server grows past a bound in RSS, open fds or threads, and no request fails."""
 from __future__ import annotations
 
-import importlib.util
-import sys
+from conftest import load_script
 
-from conftest import ROOT
-
-spec = importlib.util.spec_from_file_location("long_run", ROOT / "scripts" / "long_run.py")
-long_run = importlib.util.module_from_spec(spec)
-sys.modules["long_run"] = long_run
-spec.loader.exec_module(long_run)
+long_run = load_script("long_run")
 
 
 def test_check_growth_flags_only_what_grew_past_its_bound():

@@ -4,19 +4,14 @@ or fails in the decision log, the ensemble is never reloaded, and `status` shows
 The long version, with the ensemble's client p99 per minute against its target: scripts/mixed_repo.py."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import load_script
 
-spec = importlib.util.spec_from_file_location("mixed_repo", ROOT / "scripts" / "mixed_repo.py")
-mixed_repo = importlib.util.module_from_spec(spec)
-sys.modules["mixed_repo"] = mixed_repo
-spec.loader.exec_module(mixed_repo)
+mixed_repo = load_script("mixed_repo")
 
 
 @pytest.mark.slow
