@@ -335,8 +335,10 @@ def test_live_sim_accel_service_curve_and_full_reload_restarts_the_counters():
         print("live fit", first, times.summary(first))
         # config.pbtxt: (4 + 1.0 b) host + (2 + 0.5 b) device = 6 + 1.5 b ms, a floor (sleeps); the intercept
         # also holds the Python backend's own cost per execution (stub IPC, tensors in and out), which grows on
-        # a loaded machine: a CI run on 2 shared cores measured 8.46 ms (r2 0.997), so up to 6 + 3 ms
-        assert 6.0 * 0.8 <= fit.alpha_ms <= 6.0 + 3.0, times.summary(first)
+        # a loaded machine: 7.7 ms alone on 2 cores, 8.46 and 9.00 in two CI runs of the full suite there. The
+        # upper bound is what tells compute from queue: a fit that read the queue's wait in would carry the 4-ms
+        # delay (4.8 ms a request measured) that requests wait at 60 req/s on top of that overhead (>= 6 + 4 + 1.7 ms)
+        assert 6.0 * 0.8 <= fit.alpha_ms <= 6.0 + 4.5, times.summary(first)
         assert 1.5 * 0.6 <= fit.beta_ms <= 1.5 * 1.4, times.summary(first)
         executions_first = times.executions(first)
 
