@@ -17,7 +17,7 @@ Arms, each on its own fresh server, all replaying the same two Poisson schedules
                budget, starting from one instance each.
 Goodput counts completions within the SLA per second over both models. `summary.json` holds
 per-arm, per-model goodput and p99 (overall and per phase), failures, instance-seconds, the
-ratio adaptive / best static split (target >= 1.3) and its ceiling: the offered rate over the best static
+ratio adaptive / best static split (target >= 1.2, issue 10's) and its ceiling: the offered rate over the best static
 split's goodput (every request in time), the most any arm can reach on the schedule.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .bench import instance_seconds, ratio, server_exec_lines, server_exec_ms_by
 from .loadgen import Trace, TraceError, load_trace, poisson_schedule, summarize
 
 SIM_MEMORY_MB = 64            # what one sim_accel instance reports (its instance_memory_mb)
-TARGET_RATIO = 1.3
+TARGET_RATIO = 1.2           # the planner issue's target (the first version's issue asked 1.3; missed at 1.05)
 
 
 class MultiBenchError(ValueError):
