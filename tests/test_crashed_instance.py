@@ -17,7 +17,7 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from conftest import live_stubs
+from conftest import live_stubs, start_server
 from controller.actuation import REPAIR_KEY, Actuator, TritonControl, settings_of
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.gpu import SIM_MEMORY_METRIC
@@ -42,7 +42,31 @@ def _newest_stub(server) -> int:
     return max(stubs, key=lambda p: os.stat(f"/proc/{p}").st_ctime)
 
 
+class ServerDied(Exception):
+    """tritonserver itself exited during the scenario: nothing the controller did can be judged from that run."""
+
+
 def test_a_killed_stub_is_held_as_a_fault_then_repaired_by_a_full_reload(sim_server, tmp_path):
+    """The scenario below; once more on a fresh server when the server process itself died during it.
+
+    Why: the pip tritonserver 2.51 crashes now and then on its own (README, "Server failures seen in the
+    benches"). A CI run here saw it exit just as the stub was killed (the controller's only record after the kill:
+    HoldServerUnreachable); the same test had passed in every CI run before. A second death fails the test."""
+    try:
+        _killed_stub_scenario(sim_server, tmp_path / "first")
+    except ServerDied as died:
+        print(f"\ntritonserver died during the scenario ({died}); once more on a fresh server")
+        fresh = start_server([MODEL])
+        try:
+            _killed_stub_scenario(fresh, tmp_path / "second")
+        except ServerDied as again:
+            raise AssertionError(f"tritonserver died in both runs: {died}; then {again}") from again
+        finally:
+            fresh.stop()
+
+
+def _killed_stub_scenario(sim_server, tmp_path) -> None:
+    tmp_path.mkdir()
     act = Actuator(TritonControl(sim_server.grpc_url, sim_server.http_url))
     assert act.apply(MODEL, Settings(2, 0)).ok
     log_path = tmp_path / "decisions.jsonl"
@@ -77,6 +101,9 @@ def test_a_killed_stub_is_held_as_a_fault_then_repaired_by_a_full_reload(sim_ser
         stop.set()
         ctl_thread.join()
         controller.close()
+    if sim_server.process.poll() is not None:
+        raise ServerDied(f"exit {sim_server.process.returncode}, found {time.time() - killed_at:.1f} s after the kill; "
+                         f"its log: {sim_server.log_tail()}")
     kill_s = killed_at - t0
     records = [json.loads(x) for x in log_path.read_text().splitlines()]
     after = [r for r in records if r["time"] >= killed_at]
