@@ -134,6 +134,8 @@ def summarize_obs(obs: Observation) -> dict:
         out["predicted_p99_ms"] = r(obs.predicted_p99_ms)
     if obs.service is not None:
         out["service"] = obs.service.summary()
+    if obs.jitter is not None:
+        out["jitter"] = obs.jitter.summary()
     if obs.gpus:
         out["mem_used_mb"] = r(sum(g.memory_used_bytes or 0 for g in obs.gpus) / 2**20, 1)
     return out

@@ -5,8 +5,9 @@ A `ModelObserver` owns everything the controller knows about what one model did:
 * its window of `/metrics` counters (`signals.ModelWindow`) and the fresh span after a change
   (data from before `changed_at + settle_s` describes the old configuration and is not used);
 * its sampled request traces (`traces.TraceWindow`) and the latency figure with its source;
-* its service time per batch size, per live configuration (`service.ServiceTimes`), and the p99 the
-  planner's model predicts from it for the live configuration at the measured arrival rate (logged
+* its service time per batch size, per live configuration (`service.ServiceTimes`), how much one
+  execution's time varies around it (`service.execution_jitter`, per configuration), and the p99 the
+  planner's model predicts from both for the live configuration at the measured arrival rate (logged
   beside the measured p99, so that prediction error is known before anything decides on it);
 * the device readings attached to its observations.
 
@@ -38,9 +39,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .planner import Forecast, PlanInputs, mixture_p99, rate_components, simulate_quantised
-from .service import ServiceTimes, counters_restarted
+from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
-from .traces import TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceWindow, choose_sampling, needs_change
+from .traces import (TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceSummary, TraceWindow,
+                     choose_sampling, needs_change)
 from .types import GpuObservation, Observation, Settings
 
 log = logging.getLogger("controller.observer")
@@ -51,6 +53,8 @@ MIN_REQUESTS_FOR_TAIL = 200     # a summary p99 over fewer requests says little
 MIN_TRACE_SAMPLES = 10          # fewer sampled requests than this in the span: use the counters' estimate
 TRACE_MAX_AGE_S = 120.0
 WARMUP_EXECUTIONS = 50          # a span that began before the model's first this-many executions is warming up
+JITTER_KEPT = 5                 # a configuration's jitter is the median of its last this-many windows' estimates
+JITTER_CONFIGS = 32             # configurations whose jitter is remembered; the least recently seen goes first
 
 
 def estimate_p99(obs: Observation, tail_ratio: float) -> Observation:
@@ -80,9 +84,10 @@ class ModelObserver:
         self._utilisation: deque[tuple[float, dict[int, float]]] = deque()   # (time, {device: % busy}) per tick
         # per tick with statistics: (time, chain, executions, ns executing), cumulative over every batch size;
         # a new chain starts where the statistics restarted or a tick had none (see `_executing`)
-        self._executed: deque[tuple[float, int, int, int]] = deque()
+        self._executed: deque[tuple[float, int, int, int, StatsCounters]] = deque()
         self._executed_chain = 0
         self._executed_last: StatsCounters | None = None
+        self._jitter: dict[Settings, deque[Jitter]] = {}    # per configuration: its last windows' estimates
 
     # -- feeding -------------------------------------------------------------------------------
     def add_scrape(self, now: float, counters: ModelCounters | None, stats: StatsCounters | None,
@@ -103,7 +108,8 @@ class ModelObserver:
             self._executed_chain += 1
         self._executed_last = stats
         rows = [b for size, b in stats.batch_stats.items() if size >= 1]
-        self._executed.append((now, self._executed_chain, sum(b.executions for b in rows), sum(b.compute_ns for b in rows)))
+        self._executed.append((now, self._executed_chain, sum(b.executions for b in rows), sum(b.compute_ns for b in rows),
+                               stats))
         while self._executed and self._executed[0][0] < now - self.counters.max_age_s:
             self._executed.popleft()
 
@@ -123,8 +129,15 @@ class ModelObserver:
     def plan_inputs(self, max_batch_size: int, interval_s: float, device_fraction: float | None = None) -> PlanInputs:
         """What the planner needs from this observer: every measured service curve and the forecast."""
         fits = tuple((s, f) for s in self.service.configs() if (f := self.service.fit(s)) is not None)
+        jitters = tuple((s, j) for s in self._jitter if (j := self.jitter(s)) is not None)
         return PlanInputs(fits=fits, forecast=self.forecast, max_batch=max_batch_size, interval_s=interval_s,
-                          device_fraction=device_fraction)
+                          device_fraction=device_fraction, jitters=jitters)
+
+    def jitter(self, settings: Settings) -> Jitter | None:
+        """The configuration's execution jitter: of its last JITTER_KEPT windows' estimates, the one with the
+        median variance (so that a window that held a stall of the machine does not decide alone)."""
+        values = self._jitter.get(settings)
+        return sorted(values, key=lambda j: j.scv)[len(values) // 2] if values else None
 
     def add_traces(self, samples: Iterable[TraceSample], read_at: float) -> None:
         self.traces.add(list(samples), read_at)
@@ -152,15 +165,42 @@ class ModelObserver:
         if obs.valid and devices:
             obs = dataclasses.replace(obs, gpus=self._window_utilisation(devices, obs.since, now))
         self._calibrate_tail(now, live)
-        obs = self._latency(obs, now)
+        traced = self.traces.summary(now, now - obs.since, since=obs.since) if obs.valid else None
+        obs = self._latency(obs, traced)
         if obs.valid:
+            self._add_jitter(obs, live, traced)
             fit = self.service.fit(live)
-            obs = dataclasses.replace(obs, service=fit, predicted_p99_ms=None if fit is None else self._window_p99(
-                obs, live, max(1, max_batch_size), fit))
+            jitter = self.jitter(live)
+            obs = dataclasses.replace(obs, service=fit, jitter=jitter, predicted_p99_ms=None if fit is None else
+                                      self._window_p99(obs, live, max(1, max_batch_size), fit, jitter))
         self.last = obs
         return obs
 
-    def _window_p99(self, obs: Observation, live: Settings, max_batch: int, fit) -> float | None:
+    def _add_jitter(self, obs: Observation, live: Settings, traced: TraceSummary | None) -> None:
+        """Estimate the live configuration's execution jitter over the observation's span (`execution_jitter`:
+        the traced compute times against the batch statistics read at the span's two ends) and keep it.
+        Not from a span that is warming up (a fresh model's first executions are slow for reasons of their own)
+        or whose statistics restarted or are missing at either end."""
+        if traced is None or obs.warming_up:
+            return
+        first, last = self._stats_at(obs.since), self._stats_at(obs.since + obs.span_s)
+        if first is None or last is None or first[0] != last[0]:
+            return
+        value = execution_jitter(traced.compute_scv, traced.compute_quantiles, traced.compute_count,
+                                 batch_deltas(first[1], last[1]))
+        if value is None:
+            return
+        kept = self._jitter.pop(live, None) or deque(maxlen=JITTER_KEPT)
+        kept.append(value)
+        self._jitter[live] = kept                     # re-inserted: the most recently seen last
+        while len(self._jitter) > JITTER_CONFIGS:
+            self._jitter.pop(next(iter(self._jitter)))
+
+    def _stats_at(self, t: float) -> tuple[int, StatsCounters] | None:
+        """(chain, statistics) read at the tick of time t, or None."""
+        return next(((c, st) for u, c, _, _, st in self._executed if abs(u - t) <= 1e-6), None)
+
+    def _window_p99(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None = None) -> float | None:
         """The live configuration's predicted p99 over the window, for the planner's check of itself against
         the traced one: one simulation per load the window's ticks held (`rate_components`: one under a
         steady load or a ramp, two under on/off bursts), their tails mixed by their requests (`mixture_p99`),
@@ -171,16 +211,16 @@ class ModelObserver:
             for rate, share in rate_components(self.forecast.rates_since(obs.since), self.forecast.tick_s):
                 if share >= 0.005:
                     parts.append((simulate_quantised(rate, live.instance_count, live.max_queue_delay_us, max_batch,
-                                                     fit.predict_ms), share))
+                                                     fit.predict_ms, jitter), share))
         if not parts or any(p is None for p, _ in parts):
             single = simulate_quantised(obs.arrival_rps, live.instance_count, live.max_queue_delay_us, max_batch,
-                                        fit.predict_ms)
+                                        fit.predict_ms, jitter)
             return None if single is None else single.p99_ms
         return mixture_p99(parts)
 
     def _executed_at(self, t: float) -> tuple[int, int, int] | None:
         """(chain, executions, ns executing) of the statistics read at the tick of time t, or None."""
-        return next(((c, n, ns) for u, c, n, ns in self._executed if abs(u - t) <= 1e-6), None)
+        return next(((c, n, ns) for u, c, n, ns, _ in self._executed if abs(u - t) <= 1e-6), None)
 
     def _executing(self, obs: Observation, instance_count: int, first: tuple[int, int, int] | None,
                    last: tuple[int, int, int] | None) -> Observation:
@@ -235,11 +275,11 @@ class ModelObserver:
             out.append(dataclasses.replace(g, utilization_pct=sum(values) / len(values)) if values else g)
         return tuple(out)
 
-    def _latency(self, obs: Observation, now: float) -> Observation:
-        """The best p99 figure for the observation's span, and where it came from."""
-        if not obs.valid:
+    def _latency(self, obs: Observation, traced: TraceSummary | None) -> Observation:
+        """The best p99 figure for the observation's span (`traced`: the span's request traces), and where it
+        came from."""
+        if not obs.valid or traced is None:
             return obs
-        traced = self.traces.summary(now, now - obs.since, since=obs.since)
         if traced.count >= MIN_TRACE_SAMPLES and traced.p99_ms is not None:
             return dataclasses.replace(obs, p99_ms=traced.p99_ms, p99_source="trace", p99_samples=traced.count)
         return estimate_p99(obs, self.tail_ratio)

@@ -21,7 +21,8 @@ The model is a small event simulation of Triton's dynamic batcher in front of `n
   whatever is queued at once (so under load a queue batches by itself);
 * an execution of a batch of b takes s(b) ms, the service curve measured for this configuration
   (`service.ServiceFit.predict_ms`), the same for every instance: contention between instances on
-  one device is already inside a curve measured at this instance count;
+  one device is already inside a curve measured at this instance count; times a random factor J
+  (mean 1) where executions of one size were measured to vary (`jitter`, below);
 * a request's latency is its wait in the queue plus its batch's execution.
 
 Worked example (`simulate(100, 1, 0, 8, lambda b: 6 + 1.5 * b)`): one instance busy 7.5 ms for a
@@ -31,6 +32,13 @@ The same load on 2 instances: batches of ~1.04, busy ~36%, p99 ~14 ms. At 600 re
 cannot keep up even with full batches of 8 (8 / 18 ms = 444 req/s): `stable` is False.
 Each call simulates `requests` arrivals (default 2,000, a few ms of CPU) with a fixed seed, so the
 same inputs give the same answer.
+
+`jitter` is the quantile function of J (`service.Jitter.quantiles`: measured from traced requests, the
+spread that batch sizes do not explain), empty for exact executions. A model timed by sleeps (sim_accel)
+measured a squared coefficient of variation of 0.001-0.025 here and is simulated as exact (under
+`service.JITTER_FLOOR`); the CPU torch model (resnet_tiny, one instance, 10-50 req/s) measured 0.5-1.3, its
+executions of one size taking up to 4-7x their mean: without J its p99 was predicted at 13-16 ms where
+23-56 ms was measured, with J at 26-58 ms (`scripts/jitter_check.py`).
 """
 from __future__ import annotations
 
@@ -39,11 +47,15 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
 from .types import Settings
+
+from .service import Jitter
+from .traces import COMPUTE_PROBS
 
 if TYPE_CHECKING:
     from .service import ServiceFit
@@ -64,14 +76,25 @@ class Prediction:
 TAIL_SURVIVAL = (0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002)
 
 
+def jitter_factors(jitter: Sequence[float], n: int, seed: int) -> np.ndarray | None:
+    """`n` draws of J from its quantile function `jitter` (at `COMPUTE_PROBS`, straight lines between the
+    points); None for exact executions (empty). Example: quantiles (0.5, 1, 1.5) at (0, 0.5, 1): a uniform
+    draw u = 0.75 gives 1.25."""
+    if len(jitter) != len(COMPUTE_PROBS):
+        return None
+    return np.interp(np.random.default_rng(seed + 7919).random(n), COMPUTE_PROBS, jitter)
+
+
 def simulate(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
-             service_ms: Callable[[int], float], requests: int = 2000, seed: int = 0) -> Prediction | None:
+             service_ms: Callable[[int], float], requests: int = 2000, seed: int = 0,
+             jitter: Sequence[float] = ()) -> Prediction | None:
     """Simulate the dynamic batcher; None when there is nothing to predict (no arrivals, bad inputs)."""
     if not (arrival_rps > 0 and math.isfinite(arrival_rps)) or instances < 1 or requests < 10:
         return None
     max_batch = max(1, int(max_batch))
     delay_s = max(0, int(delay_us)) / 1e6
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / arrival_rps, requests))
+    factors = jitter_factors(jitter, requests, seed)     # at most one execution per request
     queue: deque[float] = deque()
     free_at = [0.0] * instances                 # when each instance is next free
     heapq.heapify(free_at)
@@ -93,6 +116,8 @@ def simulate(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
         start = max(t_free, queue[0] + delay_s) if len(queue) < max_batch else max(t_free, queue[max_batch - 1])
         b = min(len(queue), max_batch)
         run_s = max(0.0, float(service_ms(b))) / 1000.0
+        if factors is not None:
+            run_s *= float(factors[len(batches)])
         heapq.heapreplace(free_at, start + run_s)
         for _ in range(b):
             latencies.append(start + run_s - queue.popleft())
@@ -353,19 +378,33 @@ class ServiceModel:
     Example: 2 instances measured at s(1) = 8.0 ms, 4 instances at 10.4 ms: r = 1.3 = (1 + 3g) /
     (1 + g) -> g = 0.3 / 1.7 = 0.176. Six instances are then predicted at s_4(b) * (1 + 5g) / (1 + 3g)
     = 1.24 x s_4(b).
+
+    `jitters`: per measured count, how much one execution's time varies around its size's mean (`simulate`);
+    a count not measured takes the nearest measured count's (`jitter`).
     """
 
     fits: dict[int, "ServiceFit"]
     gamma: float
     gamma_source: str            # "measured" | "utilisation" | "default"
+    jitters: dict[int, "Jitter"] = dataclasses.field(default_factory=dict)   # per count measured
 
     @staticmethod
-    def build(fits_by_config: Sequence[tuple[Settings, "ServiceFit"]], device_util: float | None) -> "ServiceModel":
+    def build(fits_by_config: Sequence[tuple[Settings, "ServiceFit"]], device_util: float | None,
+              jitter_by_config: Sequence[tuple[Settings, "Jitter"]] = ()) -> "ServiceModel":
         per_count: dict[int, ServiceFit] = {}
         for s, fit in fits_by_config:
             best = per_count.get(s.instance_count)
             if best is None or fit.executions > best.executions:
                 per_count[s.instance_count] = fit
+        jitters: dict[int, Jitter] = {}
+        for s, j in jitter_by_config:       # several delays at one count: the one that varies most (the cautious one)
+            if s.instance_count not in jitters or j.scv > jitters[s.instance_count].scv:
+                jitters[s.instance_count] = j
+        model = ServiceModel._build(per_count, device_util)
+        return dataclasses.replace(model, jitters=jitters) if jitters else model
+
+    @staticmethod
+    def _build(per_count: dict[int, "ServiceFit"], device_util: float | None) -> "ServiceModel":
         gammas = []
         counts = sorted(per_count)
         for i, m1 in enumerate(counts):
@@ -395,6 +434,13 @@ class ServiceModel:
         scale = (1 + self.gamma * (n - 1)) / (1 + self.gamma * (m - 1))
         base = self.fits[m].predict_ms
         return lambda b: base(b) * scale
+
+    def jitter(self, n: int) -> "Jitter | None":
+        """The jitter measured at `n` instances, else at the nearest count measured (the smaller on a tie), else
+        None. Example: measured at 1 instance (scv 0.6) and at 2 (0.08): 3 instances are simulated with 2's."""
+        if not self.jitters:
+            return None
+        return self.jitters[min(self.jitters, key=lambda c: (abs(c - n), c))]
 
 
 # ---- predictions for candidate configurations -----------------------------------------------------
@@ -502,16 +548,18 @@ def _q(x: float) -> float:
 
 
 def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
-                       service_ms: Callable[[int], float]) -> Prediction | None:
+                       service_ms: Callable[[int], float], jitter: "Jitter | None" = None) -> Prediction | None:
     """`simulate` on the 1% grid, remembered: the rate and the service curve (at b = 1, 2, 4, ... and
     `max_batch`, joined by straight lines) are rounded to 1%, so that the answer depends only on the
     rounded inputs and a tick that sees the same load as the last reuses its simulations. The curves
     are lines (service.py), so the rounded curve is within 1% of the measured one everywhere.
-    Example: rates 300.0 and 301.5 req/s fall on the same grid point (300.3); 306 does not."""
+    Example: rates 300.0 and 301.5 req/s fall on the same grid point (300.3); 306 does not. The jitter's
+    quantiles are rounded to the same grid."""
     mb = max(1, int(max_batch))
     points = sorted({1, mb} | {2 ** k for k in range(1, 16) if 2 ** k < mb})
     values = tuple(_q(max(0.0, float(service_ms(b)))) for b in points)
-    key = (_q(arrival_rps), instances, int(delay_us), mb, values)
+    jq = () if jitter is None else tuple(_q(x) for x in jitter.quantiles)
+    key = (_q(arrival_rps), instances, int(delay_us), mb, values, jq)
     if key in _memo:
         _memo.move_to_end(key)
         return _memo[key]
@@ -524,7 +572,7 @@ def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_ba
                 return v0 + (v1 - v0) * (b - b0) / (b1 - b0)
         return values[-1]
 
-    result = simulate(key[0], instances, delay_us, mb, line, requests=SIM_REQUESTS)
+    result = simulate(key[0], instances, delay_us, mb, line, requests=SIM_REQUESTS, jitter=jq)
     _memo[key] = result
     if len(_memo) > MEMO_SIZE:
         _memo.popitem(last=False)
@@ -538,10 +586,13 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
     if curve is None:
         return None
     if arrival_rps < 0.01:       # why: no load to speak of (and 1/rate would overflow): a lone request
-        s1 = curve(1)
+        j = model.jitter(settings.instance_count)
+        s1 = curve(1) * (1.0 if j is None else j.at(0.99))
         ok = s1 * correction <= limit_ms
         return Candidate(settings, arrival_rps, s1 * correction, s1, 1.0, 0.0, ok, within=1.0 if ok else 0.0)
-    sim = simulate_quantised(arrival_rps, settings.instance_count, settings.max_queue_delay_us, max_batch, curve)
+    jitter = model.jitter(settings.instance_count)
+    sim = simulate_quantised(arrival_rps, settings.instance_count, settings.max_queue_delay_us, max_batch, curve,
+                             jitter)
     if sim is None:
         return None
     load = None if device is None else device.load(arrival_rps, sim.mean_batch)
@@ -560,7 +611,7 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
         else:
             wait_us = max(settings.max_queue_delay_us, _wait_us((need - 1.0) / arrival_rps))
             for _ in range(SELF_BATCH_STEPS):
-                waited = simulate_quantised(arrival_rps, settings.instance_count, wait_us, max_batch, curve)
+                waited = simulate_quantised(arrival_rps, settings.instance_count, wait_us, max_batch, curve, jitter)
                 if waited is None:
                     return None
                 sim, waited_us, load = waited, wait_us, device.load(arrival_rps, waited.mean_batch)
@@ -745,6 +796,7 @@ class PlanInputs:
     max_batch: int
     interval_s: float
     device_fraction: float | None = None     # this model's share of its device's work (None: all of it)
+    jitters: tuple[tuple[Settings, "Jitter"], ...] = ()   # per configuration: its executions' jitter (`simulate`)
 
 
 @dataclass(frozen=True)
@@ -796,7 +848,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     Example: budget 3 instances, 1 of another model and 1 live here: 1 x 0us -> 2 x 2000us would hold 4 for
     a moment; `reload_max` = 1, so 2 x 0us (in place) or 1 x 2000us are the options.
     """
-    model = ServiceModel.build(inputs.fits, device_util)
+    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters)
     if live.instance_count not in model.fits:
         return fallback("too little data: no service curve measured for the live instance count yet", state)
     factor, raw = correction(state, now)
@@ -933,8 +985,11 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     live_c = at_hi(live)
     chosen = fewest(limit)
     common = dict(live=live_c, band=band, correction=factor)
+    jitter = model.jitter(live.instance_count)
     where = (f"forecast {band[0]:.0f}-{band[2]:.0f} req/s in {horizon:.1f} s; live {_desc(live_c)}; "
-             f"gamma {model.gamma:.2f} ({model.gamma_source}), correction {factor:.2f}")
+             f"gamma {model.gamma:.2f} ({model.gamma_source}), "
+             + (f"executions p99 {jitter.at(0.99):.1f}x their mean, " if jitter is not None and jitter.quantiles else "")
+             + f"correction {factor:.2f}")
     keep = dataclasses.replace(state, smaller_ticks=0, smaller_best=None)
     if live_c is not None and live_c.meets:
         # consolidation: the fewest predicted under the stricter margin (not the fewest under 0.9x: that one
@@ -1024,7 +1079,7 @@ def _live_model(live: Settings, inputs: PlanInputs, state: PlannerState, device_
                 avg_batch: float, now: float) -> tuple[ServiceModel, float, DeviceShare | None] | None:
     """The service model, the correction factor and the device share that predictions around the live
     configuration use (as in `choose`); None without a measured curve for the live count."""
-    model = ServiceModel.build(inputs.fits, device_util)
+    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters)
     if live.instance_count not in model.fits:
         return None
     factor, _ = correction(state, now)

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from .signals import BatchStat, StatsCounters
+from .traces import COMPUTE_PROBS
 from .types import Settings
 
 MIN_EXECUTIONS = 20         # fewer executions of a configuration than this: no fit
@@ -197,6 +200,76 @@ def batch_deltas(before: StatsCounters, after: StatsCounters) -> dict[int, tuple
     return deltas
 
 
+JITTER_MIN_SAMPLES = 50     # traced compute times a jitter estimate rests on, at least
+JITTER_FLOOR = 0.05         # a squared coefficient of variation below this is simulated as none: a model timed by
+                            # sleeps (sim_accel) measured 0.001-0.025 here, the CPU torch model 0.5-1.3
+
+
+@dataclass(frozen=True)
+class Jitter:
+    """How one execution's time varies around its batch size's mean: the factor J in x = c_B * J (mean 1).
+
+    `scv` is Var(J); `quantiles` is J's quantile function at `traces.COMPUTE_PROBS` (mean 1), empty when
+    `scv` is under JITTER_FLOOR (the executions are then taken as exact). `planner.simulate` draws J from it.
+    """
+
+    scv: float
+    quantiles: tuple[float, ...] = ()
+
+    def at(self, q: float) -> float:
+        """J's q-quantile (1.0 when taken as exact). Example: quantiles with 0.99 -> 3.9: at(0.99) = 3.9."""
+        return float(np.interp(q, COMPUTE_PROBS, self.quantiles)) if self.quantiles else 1.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"scv": round(self.scv, 3), "p99_x": round(self.at(0.99), 2)}
+
+
+def execution_jitter(compute_scv: float | None, compute_quantiles: Sequence[float], samples: int,
+                     deltas: Mapping[int, tuple[int, int]]) -> Jitter | None:
+    """How much one execution's time varies around its batch size's mean, from the traced requests and the
+    batch statistics of one span (`traces.TraceSummary`'s compute fields; `batch_deltas`).
+
+    A traced request ran in a batch of size b with probability p_b proportional to b * n_b (n_b executions of
+    size b in the span, each c_b ms on average); its compute time x is its batch's, c_B * J, with J independent
+    of the size and of mean 1. Then E[x^2] / E[x]^2 = (E[c_B^2] / E[c_B]^2) * E[J^2], so
+
+        scv = Var(J) = (1 + scv_x) / (1 + scv_c) - 1
+
+    with scv_x the traced times' squared coefficient of variation and scv_c that of c_B: the part of the spread
+    that the sizes' mix explains is taken out; what is left is the model's own (a CPU model under contention,
+    inputs of varying length) or the machine's. J's shape is the traced times' own (x / mean x), pulled towards
+    1 by sqrt(scv / scv_x) so that it keeps only that part, and scaled to mean 1: the measured tail, which is
+    heavier than a lognormal's of the same variance (resnet_tiny on 2 cores: traced p99 2.8-6.8x the mean).
+    Example: 90 executions of 1 item at 10 ms and 5 of 2 items at 12 ms: p = (0.9, 0.1), E[c] = 10.2,
+    E[c^2] = 104.4, scv_c = 0.0035; traced scv_x 0.6 gives scv 1.6 / 1.0035 - 1 = 0.594 and a pull of
+    sqrt(0.594 / 0.6) = 0.995: a traced p99 of 3.9x the mean becomes 1 + 2.9 x 0.995 = 3.89 (before the rescale).
+
+    None with fewer than JITTER_MIN_SAMPLES traced times, no execution in the span or quantiles that do not
+    match `COMPUTE_PROBS`; `scv` never below 0.
+    """
+    if compute_scv is None or samples < JITTER_MIN_SAMPLES or not math.isfinite(compute_scv) or compute_scv < 0 \
+            or len(compute_quantiles) != len(COMPUTE_PROBS):
+        return None
+    weights = {b: b * n for b, (n, ns) in deltas.items() if n > 0 and ns >= 0}
+    total = sum(weights.values())
+    if total <= 0:
+        return None
+    mean = sum(w * deltas[b][1] / deltas[b][0] for b, w in weights.items()) / total
+    if mean <= 0:
+        return None
+    second = sum(w * (deltas[b][1] / deltas[b][0]) ** 2 for b, w in weights.items()) / total
+    scv = max(0.0, (1.0 + compute_scv) / (second / mean ** 2) - 1.0)
+    if scv < JITTER_FLOOR:
+        return Jitter(scv)
+    pull = math.sqrt(min(1.0, scv / compute_scv))
+    shaped = [max(0.0, 1.0 + (q - 1.0) * pull) for q in compute_quantiles]
+    # the mean of the piecewise-linear quantile function (what sampling between the points draws)
+    area = sum((p1 - p0) * (a + b) / 2 for p0, p1, a, b in zip(COMPUTE_PROBS, COMPUTE_PROBS[1:], shaped, shaped[1:]))
+    if area <= 0:
+        return Jitter(scv)
+    return Jitter(scv, tuple(q / area for q in shaped))
+
+
 class ServiceTimes:
     """One model's service time per batch size, accumulated per configuration from cumulative stats.
 
@@ -328,5 +401,5 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-__all__ = ["ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas",
+__all__ = ["ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas", "Jitter", "execution_jitter",
            "MIN_EXECUTIONS", "HALF_LIFE_S"]

@@ -27,6 +27,7 @@ from . import runstate
 from .actuation import TritonControl, explain_error, settings_of
 from .config import ControllerConfig, ServerConfig
 from .decision_log import by_model, read_records
+from .service import JITTER_FLOOR
 from .server import ServerError
 
 CONTROLLER_TIMEOUT_S = 3.0
@@ -320,8 +321,12 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                              f"busy {'?' if busy is None else f'{100 * busy:.0f}%'}{_busy_note(o)}, {_num(o.get('avg_batch'), 2)} per batch"))
             svc = o.get("service")
             if svc and svc.get("alpha_ms") is not None:
+                jitter = o.get("jitter") or {}
                 rows.append(("service", f"{svc['alpha_ms']} + {svc['beta_ms']} x batch ms per execution "
-                             f"(r2 {svc.get('r2')}, {svc.get('executions')} executions)"))
+                             f"(r2 {svc.get('r2')}, {svc.get('executions')} executions)"
+                             + (f"; executions of one size vary: p99 {jitter['p99_x']}x their mean"
+                                if isinstance(jitter, dict) and (jitter.get("scv") or 0) >= JITTER_FLOOR
+                                and jitter.get("p99_x") else "")))
         else:
             now = m.get("obs_now")
             rows.append(("load", NOW_WHY.get(now, now) if now else "no observation yet"))

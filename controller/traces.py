@@ -430,8 +430,10 @@ class TraceSummary:
     """Traced requests of one model that ended in [`start`, `now`] (controller time, seconds).
 
     `p50_ms`/`p99_ms`/`max_ms` are of `latency_ms`, `queue_p99_ms` of `queue_ms`,
-    `compute_mean_ms` the mean `compute_ms`; all None when `count` is 0 (or no sample
-    carries that field). Percentiles are nearest-rank (see `nearest_rank`).
+    `compute_mean_ms` the mean `compute_ms`, `compute_scv` its squared coefficient of variation
+    (variance / mean^2) and `compute_quantiles` its quantiles at COMPUTE_PROBS divided by the mean, over
+    the `compute_count` samples that carry it; None (or empty) when `count` is 0 (or no sample carries
+    that field). Percentiles are nearest-rank (see `nearest_rank`).
     """
 
     count: int
@@ -442,6 +444,13 @@ class TraceSummary:
     queue_p99_ms: float | None = None
     compute_mean_ms: float | None = None
     newest_at: float | None = None
+    compute_scv: float | None = None
+    compute_count: int = 0
+    compute_quantiles: tuple[float, ...] = ()
+
+
+# the probabilities `TraceSummary.compute_quantiles` are read at: the tail finer (it sets a p99)
+COMPUTE_PROBS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
 
 
 def nearest_rank(sorted_values: list[float], q: float) -> float | None:
@@ -542,6 +551,10 @@ class TraceWindow:
         latencies = sorted(r[0] for r in rows)
         queues = sorted(r[1] for r in rows if r[1] is not None)
         computes = [r[2] for r in rows if r[2] is not None]
+        mean = sum(computes) / len(computes) if computes else None
+        scv = None if not mean or mean <= 0 else sum((c - mean) ** 2 for c in computes) / len(computes) / mean ** 2
+        ranked = sorted(computes)
+        quantiles = () if scv is None else tuple(nearest_rank(ranked, p) / mean for p in COMPUTE_PROBS)
         return TraceSummary(
             count=len(rows),
             start=start,
@@ -549,8 +562,11 @@ class TraceWindow:
             p99_ms=nearest_rank(latencies, 0.99),
             max_ms=latencies[-1],
             queue_p99_ms=nearest_rank(queues, 0.99),
-            compute_mean_ms=sum(computes) / len(computes) if computes else None,
+            compute_mean_ms=mean,
             newest_at=self._ends[hi - 1] + offset,
+            compute_scv=scv,
+            compute_count=len(computes),
+            compute_quantiles=quantiles,
         )
 
 

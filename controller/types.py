@@ -10,7 +10,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # why: service.py imports Settings from here
-    from .service import ServiceFit
+    from .service import Jitter, ServiceFit
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class Observation:
     gpus: tuple[GpuObservation, ...] = ()
     placement: tuple[tuple[str, int], ...] = ()   # this model's live instances per device (groups.py keys: "gpu1", "cpu")
     service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config
+    jitter: "Jitter | None" = None        # ... and how much one execution varies around it (service.execution_jitter)
     warming_up: bool = False              # the span holds the model's first executions since it loaded (observer)
     invalid_reason: str = ""              # when valid=False: "no_samples" | "scrape_failed" | "too_few_samples" | "span_too_short"
 

@@ -1,0 +1,189 @@
+"""Execution jitter: how much one execution's time varies around its batch size's mean, measured from traced
+requests (service.execution_jitter), carried by the observer per configuration, and simulated by the planner."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from controller.observer import ModelObserver
+from controller.planner import ServiceModel, jitter_factors, predict, simulate, simulate_quantised
+from controller.service import JITTER_FLOOR, Jitter, ServiceFit, execution_jitter
+from controller.signals import BatchStat, ModelCounters, StatsCounters
+from controller.traces import COMPUTE_PROBS, TraceSample, TraceWindow
+from controller.types import Settings
+
+LIVE = Settings(1, 0)
+
+
+def quantiles_of(values) -> tuple[float, ...]:
+    """What TraceWindow.summary gives for these compute times: nearest-rank quantiles over the mean."""
+    w = TraceWindow()
+    w.add([TraceSample("m", 100.0, 1.0, 1.0, 0.0, float(v)) for v in values], read_at=100.0)
+    return w.summary(100.0, 10.0).compute_quantiles
+
+
+# ---- the estimate -----------------------------------------------------------------------------------------
+
+def test_the_docstring_example():
+    deltas = {1: (90, 900_000_000), 2: (5, 60_000_000)}       # 90 x 10 ms, 5 x 12 ms
+    flat = tuple(1.0 for _ in COMPUTE_PROBS)
+    j = execution_jitter(0.6, flat, 100, deltas)
+    assert j.scv == pytest.approx(1.6 / (104.4 / 10.2 ** 2) - 1, rel=1e-9) and j.scv == pytest.approx(0.594, abs=1e-3)
+
+
+def test_the_spread_that_batch_sizes_explain_is_not_jitter():
+    # executions of 1 item take 5 ms, of 8 items 19 ms, exactly; requests are sampled per item, so a traced
+    # request ran in a batch of 8 with probability 8 x 40 / (100 + 8 x 40)
+    deltas = {1: (100, 500_000_000), 8: (40, 760_000_000)}
+    x = np.array([5.0] * 100 + [19.0] * 320)
+    scv_x = x.var() / x.mean() ** 2
+    j = execution_jitter(float(scv_x), quantiles_of(x), len(x), deltas)
+    assert scv_x > 0.1 and j.scv == pytest.approx(0.0, abs=1e-9)          # 0.145 of spread, none of it jitter
+    assert j.quantiles == () and j.at(0.99) == 1.0        # under the floor: exact executions
+
+
+def test_a_spread_within_one_size_is_jitter_and_keeps_its_shape():
+    rng = np.random.default_rng(1)
+    x = 8.0 * rng.lognormal(-0.3, math.sqrt(0.6), 4000)     # one size, heavy-tailed
+    x *= 8.0 / x.mean()
+    scv_x = float(x.var() / x.mean() ** 2)
+    j = execution_jitter(scv_x, quantiles_of(x), len(x), {1: (4000, int(8e6 * 4000))})
+    assert j.scv == pytest.approx(scv_x, rel=1e-9)        # nothing explained by sizes: all of it
+    assert j.at(0.99) == pytest.approx(np.percentile(x, 99) / x.mean(), rel=0.05)
+    assert j.at(0.99) > 3.0 and j.at(0.5) < 1.0           # the measured shape: a long right tail
+    # the quantile function has mean 1: draws from it keep the service curve's mean
+    assert float(np.mean(jitter_factors(j.quantiles, 200_000, seed=0))) == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_mix_of_sizes_and_jitter_keeps_only_the_jitter():
+    rng = np.random.default_rng(2)
+    sizes = rng.choice([1, 4], p=[0.5, 0.5], size=6000)         # per request
+    means = np.where(sizes == 1, 6.0, 12.0)
+    x = means * rng.lognormal(-0.5 * math.log(1.3), math.sqrt(math.log(1.3)), len(sizes))   # Var(J) = 0.3
+    n1, n4 = int((sizes == 1).sum()), int((sizes == 4).sum()) // 4      # executions: 4 requests per batch of 4
+    deltas = {1: (n1, int(6e6 * n1)), 4: (n4, int(12e6 * n4))}
+    j = execution_jitter(float(x.var() / x.mean() ** 2), quantiles_of(x), len(x), deltas)
+    assert j.scv == pytest.approx(0.3, abs=0.05)
+    assert 1.0 < j.at(0.99) < np.percentile(x, 99) / x.mean()   # pulled towards 1: the sizes' part taken out
+
+
+@pytest.mark.parametrize("scv, quantiles, samples, deltas", [
+    (None, tuple(1.0 for _ in COMPUTE_PROBS), 100, {1: (10, 10_000_000)}),          # no compute times traced
+    (0.5, tuple(1.0 for _ in COMPUTE_PROBS), 49, {1: (10, 10_000_000)}),            # too few
+    (0.5, (1.0, 2.0), 100, {1: (10, 10_000_000)}),                                   # quantiles of another grid
+    (0.5, tuple(1.0 for _ in COMPUTE_PROBS), 100, {}),                               # no execution in the span
+    (float("nan"), tuple(1.0 for _ in COMPUTE_PROBS), 100, {1: (10, 10_000_000)}),
+    (-0.1, tuple(1.0 for _ in COMPUTE_PROBS), 100, {1: (10, 10_000_000)}),
+])
+def test_nothing_to_estimate_from(scv, quantiles, samples, deltas):
+    assert execution_jitter(scv, quantiles, samples, deltas) is None
+
+
+def test_the_trace_summary_gives_the_compute_spread():
+    w = TraceWindow()
+    w.add([TraceSample("m", 10.0 + i / 100, 20.0, 19.0, 1.0, c) for i, c in enumerate([4.0, 12.0] * 50)], read_at=12.0)
+    s = w.summary(12.0, 10.0)
+    assert s.compute_count == 100 and s.compute_mean_ms == 8.0
+    assert s.compute_scv == pytest.approx(0.25)                # sd 4 over mean 8
+    assert s.compute_quantiles[0] == 0.5 and s.compute_quantiles[-1] == 1.5 and len(s.compute_quantiles) == len(COMPUTE_PROBS)
+    assert TraceWindow().summary(0.0, 10.0).compute_quantiles == ()
+
+
+# ---- the simulation ---------------------------------------------------------------------------------------
+
+HEAVY = Jitter(0.6, tuple(float(q) for q in np.interp(COMPUTE_PROBS, [0, 0.5, 0.9, 0.99, 1.0], [0.3, 0.7, 1.8, 3.9, 6.0])))
+
+
+def _normalised(j: Jitter) -> Jitter:
+    area = sum((p1 - p0) * (a + b) / 2 for p0, p1, a, b in zip(COMPUTE_PROBS, COMPUTE_PROBS[1:], j.quantiles, j.quantiles[1:]))
+    return Jitter(j.scv, tuple(q / area for q in j.quantiles))
+
+
+def test_jitter_raises_the_p99_keeps_the_mean_work_and_is_deterministic():
+    line = lambda b: 6.0 + 1.5 * b               # noqa: E731
+    heavy = _normalised(HEAVY)
+    plain = simulate(60, 1, 0, 8, line)
+    jittered = simulate(60, 1, 0, 8, line, jitter=heavy.quantiles)
+    assert jittered.p99_ms > 2.0 * plain.p99_ms                       # the tail of one execution reaches the p99
+    assert jittered.busy == pytest.approx(plain.busy, rel=0.1)        # J has mean 1: the same work on average
+    assert simulate(60, 1, 0, 8, line, jitter=heavy.quantiles) == jittered
+    assert simulate(60, 1, 0, 8, line, jitter=()) == plain            # no jitter: the simulation as before
+
+
+def test_the_memo_tells_jitters_apart():
+    line = lambda b: 6.0 + 1.5 * b               # noqa: E731
+    a = simulate_quantised(61.7, 1, 0, 8, line)
+    b = simulate_quantised(61.7, 1, 0, 8, line, _normalised(HEAVY))
+    assert b.p99_ms > a.p99_ms
+    assert simulate_quantised(61.7, 1, 0, 8, line, Jitter(0.01)) == a   # under the floor: exact, the same entry
+
+
+def _fit(alpha: float) -> ServiceFit:
+    return ServiceFit(alpha, 1.5, 1.0, 100.0, {1: (50.0, alpha + 1.5), 2: (50.0, alpha + 3.0)})
+
+
+def test_the_model_takes_the_nearest_counts_jitter_and_the_cautious_one_at_a_count():
+    low, high = Jitter(0.1, HEAVY.quantiles), Jitter(0.6, HEAVY.quantiles)
+    model = ServiceModel.build([(Settings(1, 0), _fit(6.0)), (Settings(2, 0), _fit(7.0))], None,
+                               [(Settings(1, 0), low), (Settings(1, 2000), high), (Settings(3, 0), Jitter(0.2))])
+    assert model.jitter(1) is high                 # two delays at one count: the one that varies more
+    assert model.jitter(2) is high and model.jitter(3).scv == 0.2 and model.jitter(8).scv == 0.2
+    assert ServiceModel.build([(Settings(1, 0), _fit(6.0))], None).jitter(1) is None
+
+
+def test_a_lone_requests_p99_is_its_executions_p99():
+    heavy = _normalised(HEAVY)
+    model = ServiceModel.build([(LIVE, _fit(6.0))], None, [(LIVE, heavy)])
+    c = predict(LIVE, 0.0, model, 8, 1.0, 100.0)
+    assert c.p99_ms == pytest.approx((6.0 + 1.5) * heavy.at(0.99))
+    assert predict(LIVE, 0.0, ServiceModel.build([(LIVE, _fit(6.0))], None), 8, 1.0, 100.0).p99_ms == 7.5
+
+
+# ---- the observer -----------------------------------------------------------------------------------------
+
+def _counters(t: float) -> ModelCounters:
+    n = 10.0 * t
+    return ModelCounters(success=n, failure=0.0, inference_count=n, exec_count=n, queue_us=0.0, compute_input_us=0.0,
+                         compute_infer_us=8000.0 * n, compute_output_us=0.0, request_us=9000.0 * n, pending=0.0)
+
+
+def _stats(t: float, before: int) -> StatsCounters:
+    n = before + 10 * int(t)                        # 10 executions of 1 item a second, 8 ms each
+    return StatsCounters(inference_count=n, execution_count=n, batch_stats={1: BatchStat(n, 0, n * 8_000_000, 0)})
+
+
+def _observe(computes, before: int = 1000, until: int = 20) -> tuple[ModelObserver, object]:
+    """One request a 0.1 s for `until` s (compute times cycling through `computes`), traced, read each second."""
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    obs = None
+    for t in range(0, until + 1):
+        o.add_scrape(float(t), _counters(t), _stats(t, before), LIVE)
+        o.add_traces([TraceSample("m", t - 1 + k / 10, computes[(10 * t + k) % len(computes)] + 1.0,
+                                  computes[(10 * t + k) % len(computes)] + 1.0, 0.5, computes[(10 * t + k) % len(computes)])
+                      for k in range(10)], read_at=float(t))
+        obs = o.observe(float(t), LIVE, max_batch_size=8)
+    return o, obs
+
+
+def test_the_observer_measures_the_live_configs_jitter_and_hands_it_to_the_planner():
+    o, obs = _observe([4.0, 12.0])                   # mean 8 ms as the statistics say, sd 4: scv 0.25
+    assert obs.jitter is not None and obs.jitter.scv == pytest.approx(0.25, abs=0.01)
+    assert dict(o.plan_inputs(8, 2.0).jitters)[LIVE] is obs.jitter
+    _, exact = _observe([8.0])
+    assert exact.jitter.scv == pytest.approx(0.0, abs=1e-9) and exact.jitter.quantiles == ()
+    # the prediction the planner checks itself by carries the jitter: higher than for exact executions
+    assert obs.predicted_p99_ms > exact.predicted_p99_ms
+
+
+def test_no_jitter_from_a_span_that_is_warming_up():
+    _, obs = _observe([4.0, 12.0], before=0, until=4)    # the span holds the model's first 40 executions
+    assert obs.warming_up and obs.jitter is None
+
+
+def test_one_windows_stall_does_not_decide_alone():
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    from collections import deque
+    o._jitter[LIVE] = deque([Jitter(0.2), Jitter(0.25), Jitter(3.5), Jitter(0.22), Jitter(0.3)])
+    assert o.jitter(LIVE).scv == 0.25                    # the median of the last five, not the stall's 3.5
