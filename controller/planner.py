@@ -36,9 +36,9 @@ same inputs give the same answer.
 `jitter` is the quantile function of J (`service.Jitter.quantiles`: measured from traced requests, the
 spread that batch sizes do not explain), empty for exact executions. A model timed by sleeps (sim_accel)
 measured a squared coefficient of variation of 0.001-0.025 here and is simulated as exact (under
-`service.JITTER_FLOOR`); the CPU torch model (resnet_tiny, one instance, 10-50 req/s) measured 0.5-1.3, its
-executions of one size taking up to 4-7x their mean: without J its p99 was predicted at 13-16 ms where
-23-56 ms was measured, with J at 26-58 ms (`scripts/jitter_check.py`).
+`service.JITTER_FLOOR`); the CPU torch model (resnet_tiny, one instance, 10-50 req/s) measured 0.53-0.79, its
+executions' p99 3.7-4.7x their mean: without J its p99 was predicted at 9.9-19.1 ms where 24.9-41.4 ms was
+traced, with J at 23.4-39.5 ms (`scripts/jitter_check.py`).
 """
 from __future__ import annotations
 
@@ -540,11 +540,15 @@ MEMO_SIZE = 2048             # ... so that the same quantised inputs reuse a sim
 _memo: "OrderedDict[tuple, Prediction | None]" = OrderedDict()
 
 
-def _q(x: float) -> float:
-    """`x` (> 0) on the 1% logarithmic grid. Example: 101.3 -> 101.28 (1.01 ** 464), 0 stays 0."""
+def _q(x: float, step: float = 1.01) -> float:
+    """`x` (> 0) on the logarithmic grid of `step` (1%). Example: 101.3 -> 101.28 (1.01 ** 464), 0 stays 0."""
     if x <= 0 or not math.isfinite(x):
         return x
-    return 1.01 ** round(math.log(x) / math.log(1.01))
+    return step ** round(math.log(x) / math.log(step))
+
+
+JITTER_GRID = 1.05           # jitter quantiles are simulated on a 5% grid: the estimate moves every tick (a new window
+                             # enters its median), and on the 1% grid every tick would simulate every candidate anew
 
 
 def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
@@ -554,11 +558,11 @@ def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_ba
     rounded inputs and a tick that sees the same load as the last reuses its simulations. The curves
     are lines (service.py), so the rounded curve is within 1% of the measured one everywhere.
     Example: rates 300.0 and 301.5 req/s fall on the same grid point (300.3); 306 does not. The jitter's
-    quantiles are rounded to the same grid."""
+    quantiles are rounded to a 5% grid (JITTER_GRID)."""
     mb = max(1, int(max_batch))
     points = sorted({1, mb} | {2 ** k for k in range(1, 16) if 2 ** k < mb})
     values = tuple(_q(max(0.0, float(service_ms(b)))) for b in points)
-    jq = () if jitter is None else tuple(_q(x) for x in jitter.quantiles)
+    jq = () if jitter is None else tuple(_q(x, JITTER_GRID) for x in jitter.quantiles)
     key = (_q(arrival_rps), instances, int(delay_us), mb, values, jq)
     if key in _memo:
         _memo.move_to_end(key)

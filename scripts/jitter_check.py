@@ -13,9 +13,13 @@ jitter) and once with the jitter. Prints one row per window: the traced p99 besi
 ratios, and the jitter (squared coefficient of variation; one execution's p99 over its mean).
 
 Measured here (2 cores, no GPU, 10-s windows): resnet_tiny at 1 instance, 10 / 25 / 50 req/s, traced p99
-22.9 / 55.7 / 36.9 ms; exact executions predicted 16.4 / 15.8 / 12.7 (0.72 / 0.28 / 0.34 of it), with the
-measured jitter 26.0 / 58.1 / 38.6 (1.14 / 1.04 / 1.05). sim_accel (sleeps) measured a jitter of 0.001-0.025
-at 1-3 instances and 30-500 req/s: under `service.JITTER_FLOOR`, so it is simulated as exact, as before.
+41.4 / 37.1 / 24.9 ms; exact executions predicted 19.1 / 14.6 / 9.9 (traced / predicted 2.16 / 2.54 / 2.50),
+with the measured jitter (0.79 / 0.71 / 0.53; one execution's p99 4.0 / 4.7 / 3.7x its mean) 39.5 / 31.9 /
+23.4 (1.05 / 1.16 / 1.06). At 2 instances, 25 / 60 req/s: 2.48 / 1.54 exact, 1.11 / 1.15 with it (jitter 0.19
+/ 0.06). sim_accel (sleeps), 1 instance, 30 / 200 / 300 req/s: jitter 0.001-0.008, under `service.JITTER_FLOOR`,
+so both predictions are one (0.98 / 1.07 / 1.12); in a noisier minute it read 0.07-0.13 at 2 instances and
+there narrowed the gap (100 / 250 req/s: 1.29 / 1.76 exact, 1.08 / 1.22 with it). The machine's noise moves
+all of these from run to run (an earlier run: resnet_tiny 1.96 / 2.45 / 2.88 exact, 1.06 / 1.00 / 1.04).
 Exit status 0 when every window had enough traced requests to compare.
 """
 from __future__ import annotations

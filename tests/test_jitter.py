@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from conftest import load_script
 from controller.observer import ModelObserver
 from controller.planner import ServiceModel, jitter_factors, predict, simulate, simulate_quantised
 from controller.service import JITTER_FLOOR, Jitter, ServiceFit, execution_jitter
@@ -55,6 +56,25 @@ def test_a_spread_within_one_size_is_jitter_and_keeps_its_shape():
     assert j.at(0.99) > 3.0 and j.at(0.5) < 1.0           # the measured shape: a long right tail
     # the quantile function has mean 1: draws from it keep the service curve's mean
     assert float(np.mean(jitter_factors(j.quantiles, 200_000, seed=0))) == pytest.approx(1.0, abs=0.01)
+
+
+def test_one_stall_moves_the_variance_but_only_the_top_of_the_shape():
+    rng = np.random.default_rng(3)
+    calm = 8.0 * rng.lognormal(-0.005, 0.1, 499)
+    stalled = np.append(calm, 300.0)                      # one execution held up 300 ms (a pause of the machine)
+    deltas = lambda x: {1: (len(x), int(x.sum() * 1e6))}   # noqa: E731
+    j_calm = execution_jitter(float(calm.var() / calm.mean() ** 2), quantiles_of(calm), len(calm), deltas(calm))
+    j_stall = execution_jitter(float(stalled.var() / stalled.mean() ** 2), quantiles_of(stalled), len(stalled),
+                               deltas(stalled))
+    assert j_calm.scv < JITTER_FLOOR < 1.0 < j_stall.scv            # the variance reads the stall ...
+    # ... the shape does not: with 500 times it reaches the 0.995 quantile (the 3rd largest), not the stall
+    assert j_stall.at(0.995) < 1.4 and j_stall.at(1.0) == j_stall.at(0.995)
+    line = lambda b: 6.0 + 1.5 * b               # noqa: E731
+    assert simulate(60, 1, 0, 8, line, jitter=j_stall.quantiles).p99_ms < 1.5 * simulate(60, 1, 0, 8, line).p99_ms
+    # 5,000 times reach the 0.999 quantile: ten stalls among them are a rate, and they are simulated
+    many = np.append(8.0 * rng.lognormal(-0.005, 0.1, 4990), [300.0] * 10)
+    j_many = execution_jitter(float(many.var() / many.mean() ** 2), quantiles_of(many), len(many), deltas(many))
+    assert j_many.at(0.999) > 10 and simulate(60, 1, 0, 8, line, jitter=j_many.quantiles).p99_ms > 100
 
 
 def test_a_mix_of_sizes_and_jitter_keeps_only_the_jitter():
@@ -187,3 +207,29 @@ def test_one_windows_stall_does_not_decide_alone():
     from collections import deque
     o._jitter[LIVE] = deque([Jitter(0.2), Jitter(0.25), Jitter(3.5), Jitter(0.22), Jitter(0.3)])
     assert o.jitter(LIVE).scv == 0.25                    # the median of the last five, not the stall's 3.5
+
+
+# ---- scripts/jitter_check.py ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (["--rates", "10,x"], "--rates"), (["--rates", "0"], "> 0"), (["--instances", "0"], ">= 1"),
+    (["--seconds", "0"], "> 0"),
+])
+def test_jitter_check_usage_errors(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        load_script("jitter_check").main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_jitter_check_compares_a_window(tmp_path):
+    import json
+    out = tmp_path / "rows.json"
+    rc = load_script("jitter_check").main(["--model", "sim_accel", "--rates", "60", "--seconds", "3", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert rc == 0 and len(rows) == 1, rows
+    r = rows[0]
+    assert r["rate_rps"] == 60 and r["traced"] >= 100 and r["traced_p99_ms"] > 0
+    assert r["exact_p99_ms"] > 0 and r["jitter_p99_ms"] > 0 and r["jitter_scv"] >= 0
+    # sim_accel's executions are sleeps: under the floor the two predictions are one simulation
+    assert r["jitter_scv"] >= JITTER_FLOOR or r["jitter_p99_ms"] == r["exact_p99_ms"]
