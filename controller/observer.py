@@ -82,8 +82,8 @@ class ModelObserver:
         self._latest: ModelCounters | None = None
         self.forecast: Forecast | None = None     # of the arrival rate, one update per tick with usable counters
         self._utilisation: deque[tuple[float, dict[int, float]]] = deque()   # (time, {device: % busy}) per tick
-        # per tick with statistics: (time, chain, executions, ns executing), cumulative over every batch size;
-        # a new chain starts where the statistics restarted or a tick had none (see `_executing`)
+        # per tick with statistics: (time, chain, executions, ns executing, the statistics), cumulative over every
+        # batch size; a new chain starts where the statistics restarted or a tick had none (see `_executing`)
         self._executed: deque[tuple[float, int, int, int, StatsCounters]] = deque()
         self._executed_chain = 0
         self._executed_last: StatsCounters | None = None
