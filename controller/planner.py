@@ -47,7 +47,6 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
