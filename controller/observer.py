@@ -56,6 +56,8 @@ WARMUP_EXECUTIONS = 50          # a span that began before the model's first thi
 JITTER_KEPT = 5                 # a configuration's jitter is the median of its last this-many windows' estimates
 JITTER_CONFIGS = 32             # configurations whose jitter is remembered; the least recently seen goes first
 
+_Read = tuple[int, int, int, StatsCounters]   # one tick's statistics: (chain, executions, ns executing, themselves)
+
 
 def estimate_p99(obs: Observation, tail_ratio: float) -> Observation:
     """A p99 estimate for a short window from counters alone: the larger of the worst interval mean
@@ -155,8 +157,9 @@ class ModelObserver:
                 max_batch_size: int = 0) -> Observation:
         span = min(self.window_s, max(0.0, now - self.fresh_from))
         obs = self.counters.observe(now, span, live.instance_count)
+        ends: tuple[_Read | None, _Read | None] = (None, None)
         if obs.valid:
-            # the statistics read at the span's two ends, one lookup each for both uses
+            # the statistics read at the span's two ends, one lookup each for every use
             ends = self._executed_at(obs.since), self._executed_at(obs.since + obs.span_s)
             obs = self._warming_up(self._executing(obs, live.instance_count, *ends), *ends)
         self._utilisation.append((now, {g.index: g.utilization_pct for g in devices if g.utilization_pct is not None}))
@@ -168,7 +171,7 @@ class ModelObserver:
         traced = self.traces.summary(now, now - obs.since, since=obs.since) if obs.valid else None
         obs = self._latency(obs, traced)
         if obs.valid:
-            self._add_jitter(obs, live, traced)
+            self._add_jitter(obs, live, traced, *ends)
             fit = self.service.fit(live)
             jitter = self.jitter(live)
             obs = dataclasses.replace(obs, service=fit, jitter=jitter, predicted_p99_ms=None if fit is None else
@@ -176,18 +179,17 @@ class ModelObserver:
         self.last = obs
         return obs
 
-    def _add_jitter(self, obs: Observation, live: Settings, traced: TraceSummary | None) -> None:
+    def _add_jitter(self, obs: Observation, live: Settings, traced: TraceSummary | None, first: _Read | None,
+                    last: _Read | None) -> None:
         """Estimate the live configuration's execution jitter over the observation's span (`execution_jitter`:
         the traced compute times against the batch statistics read at the span's two ends) and keep it.
         Not from a span that is warming up (a fresh model's first executions are slow for reasons of their own)
-        or whose statistics restarted or are missing at either end."""
-        if traced is None or obs.warming_up:
-            return
-        first, last = self._stats_at(obs.since), self._stats_at(obs.since + obs.span_s)
-        if first is None or last is None or first[0] != last[0]:
+        or whose statistics restarted or are missing at either end. `first`, `last`: `_executed_at` the span's
+        two ends."""
+        if traced is None or obs.warming_up or first is None or last is None or first[0] != last[0]:
             return
         value = execution_jitter(traced.compute_scv, traced.compute_quantiles, traced.compute_count,
-                                 batch_deltas(first[1], last[1]))
+                                 batch_deltas(first[3], last[3]))
         if value is None:
             return
         kept = self._jitter.pop(live, None) or deque(maxlen=JITTER_KEPT)
@@ -195,10 +197,6 @@ class ModelObserver:
         self._jitter[live] = kept                     # re-inserted: the most recently seen last
         while len(self._jitter) > JITTER_CONFIGS:
             self._jitter.pop(next(iter(self._jitter)))
-
-    def _stats_at(self, t: float) -> tuple[int, StatsCounters] | None:
-        """(chain, statistics) read at the tick of time t, or None."""
-        return next(((c, st) for u, c, _, _, st in self._executed if abs(u - t) <= 1e-6), None)
 
     def _window_p99(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None = None) -> float | None:
         """The live configuration's predicted p99 over the window, for the planner's check of itself against
@@ -218,12 +216,12 @@ class ModelObserver:
             return None if single is None else single.p99_ms
         return mixture_p99(parts)
 
-    def _executed_at(self, t: float) -> tuple[int, int, int] | None:
-        """(chain, executions, ns executing) of the statistics read at the tick of time t, or None."""
-        return next(((c, n, ns) for u, c, n, ns, _ in self._executed if abs(u - t) <= 1e-6), None)
+    def _executed_at(self, t: float) -> _Read | None:
+        """(chain, executions, ns executing, the statistics) read at the tick of time t, or None."""
+        return next(((c, n, ns, st) for u, c, n, ns, st in self._executed if abs(u - t) <= 1e-6), None)
 
-    def _executing(self, obs: Observation, instance_count: int, first: tuple[int, int, int] | None,
-                   last: tuple[int, int, int] | None) -> Observation:
+    def _executing(self, obs: Observation, instance_count: int, first: _Read | None,
+                   last: _Read | None) -> Observation:
         """The busy fraction from the statistics' `batch_stats`, which count each execution once, over the
         observation's own span; the counters' estimate (`signals.busy_fraction`) where they cannot give it.
 
@@ -246,8 +244,7 @@ class ModelObserver:
         busy = ns / 1e9 / obs.span_s / max(1, instance_count)
         return dataclasses.replace(obs, busy_fraction=busy, busy_source="batch_stats")
 
-    def _warming_up(self, obs: Observation, first: tuple[int, int, int] | None,
-                    last: tuple[int, int, int] | None) -> Observation:
+    def _warming_up(self, obs: Observation, first: _Read | None, last: _Read | None) -> Observation:
         """Mark a span that began before the model's first `WARMUP_EXECUTIONS` executions since it loaded
         (Triton's statistics count from the load, so a full reload starts the count again).
 

@@ -588,12 +588,11 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
     curve = model.curve(settings.instance_count)
     if curve is None:
         return None
+    jitter = model.jitter(settings.instance_count)
     if arrival_rps < 0.01:       # why: no load to speak of (and 1/rate would overflow): a lone request
-        j = model.jitter(settings.instance_count)
-        s1 = curve(1) * (1.0 if j is None else j.at(0.99))
+        s1 = curve(1) * (1.0 if jitter is None else jitter.at(0.99))
         ok = s1 * correction <= limit_ms
         return Candidate(settings, arrival_rps, s1 * correction, s1, 1.0, 0.0, ok, within=1.0 if ok else 0.0)
-    jitter = model.jitter(settings.instance_count)
     sim = simulate_quantised(arrival_rps, settings.instance_count, settings.max_queue_delay_us, max_batch, curve,
                              jitter)
     if sim is None:

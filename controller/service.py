@@ -227,6 +227,13 @@ class Jitter:
         return {"scv": round(self.scv, 3), "p99_x": round(self.at(0.99), 2)}
 
 
+def quantile_mean(quantiles: Sequence[float]) -> float:
+    """The mean of the distribution whose quantile function is `quantiles` at COMPUTE_PROBS, straight lines
+    between the points (what `planner.jitter_factors` draws from). Example: 0.5 at p 0..0.5 rising to 1.5 at
+    p 1 (0.5 at every point up to 0.5): 0.5 x 0.5 + 0.5 x 1.0 = 0.75."""
+    return sum((p1 - p0) * (a + b) / 2 for p0, p1, a, b in zip(COMPUTE_PROBS, COMPUTE_PROBS[1:], quantiles, quantiles[1:]))
+
+
 def execution_jitter(compute_scv: float | None, compute_quantiles: Sequence[float], samples: int,
                      deltas: Mapping[int, tuple[int, int]]) -> Jitter | None:
     """How much one execution's time varies around its batch size's mean, from the traced requests and the
@@ -274,8 +281,7 @@ def execution_jitter(compute_scv: float | None, compute_quantiles: Sequence[floa
     top = supported[-1] if supported else compute_quantiles[0]
     tail = [q if samples * (1.0 - p) >= JITTER_TAIL_SUPPORT else top for p, q in zip(COMPUTE_PROBS, compute_quantiles)]
     shaped = [max(0.0, 1.0 + (q - 1.0) * pull) for q in tail]
-    # the mean of the piecewise-linear quantile function (what sampling between the points draws)
-    area = sum((p1 - p0) * (a + b) / 2 for p0, p1, a, b in zip(COMPUTE_PROBS, COMPUTE_PROBS[1:], shaped, shaped[1:]))
+    area = quantile_mean(shaped)
     if area <= 0:
         return Jitter(scv)
     return Jitter(scv, tuple(q / area for q in shaped))
@@ -412,5 +418,5 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-__all__ = ["ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas", "Jitter", "execution_jitter",
+__all__ = ["ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas", "Jitter", "execution_jitter", "quantile_mean",
            "MIN_EXECUTIONS", "HALF_LIFE_S"]

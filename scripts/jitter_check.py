@@ -69,14 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer(options).start()
     rows, ok = [], True
     try:
-        if not Actuator(TritonControl(server.grpc_url, server.http_url)).apply(model, Settings(args.instances, 0)).ok:
+        control = TritonControl(server.grpc_url, server.http_url)
+        if not Actuator(control).apply(model, Settings(args.instances, 0)).ok:
             print(f"could not load {model} at {args.instances} instance(s)", file=sys.stderr)
             return 1
         api = TraceApi(server.http_url)
         files = TraceFiles(server.trace_path)
         scraper = Scraper(server.metrics_url, server.http_url)
         inputs = make_inputs_from_config(server.http_url, model)
-        max_batch = int(TritonControl(server.grpc_url, server.http_url).config(model).get("max_batch_size", 0)) or 1
+        max_batch = int(control.config(model).get("max_batch_size", 0)) or 1
 
         def offer(rate: float, seconds: float, seed: int) -> None:
             trace = load_trace({"phases": [{"name": "w", "duration_s": seconds, "rate_rps": rate}]})

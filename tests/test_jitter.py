@@ -10,7 +10,7 @@ import pytest
 from conftest import load_script
 from controller.observer import ModelObserver
 from controller.planner import ServiceModel, jitter_factors, predict, simulate, simulate_quantised
-from controller.service import JITTER_FLOOR, Jitter, ServiceFit, execution_jitter
+from controller.service import JITTER_FLOOR, Jitter, ServiceFit, execution_jitter, quantile_mean
 from controller.signals import BatchStat, ModelCounters, StatsCounters
 from controller.traces import COMPUTE_PROBS, TraceSample, TraceWindow
 from controller.types import Settings
@@ -117,7 +117,7 @@ HEAVY = Jitter(0.6, tuple(float(q) for q in np.interp(COMPUTE_PROBS, [0, 0.5, 0.
 
 
 def _normalised(j: Jitter) -> Jitter:
-    area = sum((p1 - p0) * (a + b) / 2 for p0, p1, a, b in zip(COMPUTE_PROBS, COMPUTE_PROBS[1:], j.quantiles, j.quantiles[1:]))
+    area = quantile_mean(j.quantiles)
     return Jitter(j.scv, tuple(q / area for q in j.quantiles))
 
 
