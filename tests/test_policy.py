@@ -143,6 +143,15 @@ CASES = [
     # ---- instances: up ----
     case("scale-up-queue-growing", o=obs(**PRESSURED), current=S(2), reason="ScaleUpQueueGrowing", target=S(3),
          check=lambda s: s.low_since is None),
+    # a span that holds the model's first executions: slow ones, and requests waiting behind them, are its warm-up
+    case("warming-up-model-idle-is-no-pressure", o=obs(warming_up=True, **{**PRESSURED, "busy_fraction": 0.03,
+                                                                         "pending_mean": 0.0, "arrival_rps": 2.0}),
+         current=S(1), reason="HoldModelWarmingUp", target=S(1)),
+    case("warming-up-model-busy-scales-up", o=obs(warming_up=True, **PRESSURED), current=S(1),
+         reason="ScaleUpQueueGrowing", target=S(2)),
+    case("warming-up-model-with-a-standing-queue-scales-up",
+         o=obs(warming_up=True, **{**PRESSURED, "busy_fraction": 0.5, "pending_mean": 2.0}), current=S(1),
+         reason="ScaleUpQueueGrowing", target=S(2)),
     case("scale-up-on-queue-share-alone", o=obs(**{**PRESSURED, "busy_fraction": 0.5}), current=S(2),
          reason="ScaleUpQueueGrowing", target=S(3)),
     case("scale-up-on-busy-alone", o=obs(**{**PRESSURED, "queue_ms_per_request": 1.0}), current=S(2),
