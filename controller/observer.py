@@ -54,6 +54,7 @@ MIN_TRACE_SAMPLES = 10          # fewer sampled requests than this in the span: 
 TRACE_MAX_AGE_S = 120.0
 WARMUP_EXECUTIONS = 50          # a span that began before the model's first this-many executions is warming up
 JITTER_KEPT = 5                 # a configuration's jitter is the median of its last this-many windows' estimates
+JITTER_SPAN_S = 60.0            # a jitter estimate reads the traced times of up to this much of the live configuration
 JITTER_CONFIGS = 32             # configurations whose jitter is remembered; the least recently seen goes first
 
 _Read = tuple[int, int, int, StatsCounters]   # one tick's statistics: (chain, executions, ns executing, themselves)
@@ -171,7 +172,7 @@ class ModelObserver:
         traced = self.traces.summary(now, now - obs.since, since=obs.since) if obs.valid else None
         obs = self._latency(obs, traced)
         if obs.valid:
-            self._add_jitter(obs, live, traced, *ends)
+            self._add_jitter(now, live, obs.since + obs.span_s, ends[1])
             fit = self.service.fit(live)
             jitter = self.jitter(live)
             obs = dataclasses.replace(obs, service=fit, jitter=jitter, predicted_p99_ms=None if fit is None else
@@ -179,17 +180,30 @@ class ModelObserver:
         self.last = obs
         return obs
 
-    def _add_jitter(self, obs: Observation, live: Settings, traced: TraceSummary | None, first: _Read | None,
-                    last: _Read | None) -> None:
-        """Estimate the live configuration's execution jitter over the observation's span (`execution_jitter`:
-        the traced compute times against the batch statistics read at the span's two ends) and keep it.
-        Not from a span that is warming up (a fresh model's first executions are slow for reasons of their own)
-        or whose statistics restarted or are missing at either end. `first`, `last`: `_executed_at` the span's
-        two ends."""
-        if traced is None or obs.warming_up or first is None or last is None or first[0] != last[0]:
+    def _add_jitter(self, now: float, live: Settings, end: float, last: _Read | None) -> None:
+        """Estimate the live configuration's execution jitter (`execution_jitter`: traced compute times against
+        the batch statistics at the span's two ends) and keep it.
+
+        The span is longer than the observation's: from the first tick of the last JITTER_SPAN_S seconds that is
+        past the configuration's change (`fresh_from`) and past the model's first WARMUP_EXECUTIONS executions
+        since it loaded (a fresh model's first executions are slow for reasons of their own), to `end`, with no
+        restart of the statistics between (`last`: `_executed_at(end)`). Why longer: the jitter's tail is used
+        only as far as two traced times reach (`service.JITTER_TAIL_SUPPORT`), so a 20-s window of 100 traced
+        requests (5 req/s, every one traced) stops at the 0.98 quantile and under-reads a p99 that lies beyond
+        it; 60 s of the same configuration hold 300 and reach the 0.99. The estimate then moves more slowly with
+        the machine (the last JITTER_KEPT estimates' median adds a few ticks more): a jitter belongs to a
+        configuration and changes over minutes, the load's queueing (which the simulation predicts) over seconds."""
+        if last is None:
             return
+        start = max(now - JITTER_SPAN_S, self.fresh_from)
+        first = next(((u, (c, n, ns, st)) for u, c, n, ns, st in self._executed
+                      if start - 1e-6 <= u < end and c == last[0] and n >= WARMUP_EXECUTIONS), None)
+        if first is None or first[1][1] >= last[1]:
+            return
+        since, read = first
+        traced = self.traces.summary(end, end - since, since=since)
         value = execution_jitter(traced.compute_scv, traced.compute_quantiles, traced.compute_count,
-                                 batch_deltas(first[3], last[3]))
+                                 batch_deltas(read[3], last[3]))
         if value is None:
             return
         kept = self._jitter.pop(live, None) or deque(maxlen=JITTER_KEPT)

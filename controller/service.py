@@ -254,7 +254,8 @@ def execution_jitter(compute_scv: float | None, compute_quantiles: Sequence[floa
     the 0.995 quantile; the points above it take its value): one stall of the machine in a window is not a rate
     of stalls (drawn at the 0.995-1.0 points, one 300-ms stall in 500 executions put a simulated p99 at 203 ms
     where 16 ms was the rest's), and the observed/predicted check reads it instead. The cost: with few traced
-    times the tail is cut short (a 10-req/s window of 100 reaches the 0.98 quantile) and the p99 under-read.
+    times the tail is cut short (a 10-s window of 100 reaches the 0.98 quantile) and the p99 under-read, which is
+    why the observer estimates from a configuration's last minute of traced times (`observer.JITTER_SPAN_S`).
     Example: 90 executions of 1 item at 10 ms and 5 of 2 items at 12 ms: p = (0.9, 0.1), E[c] = 10.2,
     E[c^2] = 104.4, scv_c = 0.0035; traced scv_x 0.6 gives scv 1.6 / 1.0035 - 1 = 0.594 and a pull of
     sqrt(0.594 / 0.6) = 0.995: a traced p99 of 3.9x the mean becomes 1 + 2.9 x 0.995 = 3.89 (before the rescale).

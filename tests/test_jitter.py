@@ -174,17 +174,22 @@ def _stats(t: float, before: int) -> StatsCounters:
     return StatsCounters(inference_count=n, execution_count=n, batch_stats={1: BatchStat(n, 0, n * 8_000_000, 0)})
 
 
-def _observe(computes, before: int = 1000, until: int = 20) -> tuple[ModelObserver, object]:
-    """One request a 0.1 s for `until` s (compute times cycling through `computes`), traced, read each second."""
-    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+def _feed(o: ModelObserver, seconds, computes, before: int = 1000, live: Settings = LIVE):
+    """One request a 0.1 s over `seconds` (compute times cycling through `computes`), traced, read each second;
+    the last observation."""
     obs = None
-    for t in range(0, until + 1):
-        o.add_scrape(float(t), _counters(t), _stats(t, before), LIVE)
+    for t in seconds:
+        o.add_scrape(float(t), _counters(t), _stats(t, before), live)
         o.add_traces([TraceSample("m", t - 1 + k / 10, computes[(10 * t + k) % len(computes)] + 1.0,
                                   computes[(10 * t + k) % len(computes)] + 1.0, 0.5, computes[(10 * t + k) % len(computes)])
                       for k in range(10)], read_at=float(t))
-        obs = o.observe(float(t), LIVE, max_batch_size=8)
-    return o, obs
+        obs = o.observe(float(t), live, max_batch_size=8)
+    return obs
+
+
+def _observe(computes, before: int = 1000, until: int = 20) -> tuple[ModelObserver, object]:
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    return o, _feed(o, range(0, until + 1), computes, before)
 
 
 def test_the_observer_measures_the_live_configs_jitter_and_hands_it_to_the_planner():
@@ -200,6 +205,43 @@ def test_the_observer_measures_the_live_configs_jitter_and_hands_it_to_the_plann
 def test_no_jitter_from_a_span_that_is_warming_up():
     _, obs = _observe([4.0, 12.0], before=0, until=4)    # the span holds the model's first 40 executions
     assert obs.warming_up and obs.jitter is None
+
+
+# two executions in 100 take 48 ms, the rest 8: a 10-s window's 100 traced times reach only the 0.98 quantile (8 ms)
+RARE_SLOW = [8.0] * 49 + [48.0]
+
+
+def test_the_estimate_reads_the_configurations_last_minute_not_only_the_window():
+    o, obs = _observe(RARE_SLOW, until=70)
+    window = o.traces.summary(70.0, 10.0)
+    assert window.compute_count == 100
+    cut = execution_jitter(window.compute_scv, window.compute_quantiles, window.compute_count, {1: (100, 800_000_000)})
+    assert cut.at(0.99) == pytest.approx(1.0)          # the window alone: its shape stops at 8 ms, i.e. exact
+    # 60 s hold 600 traced times, 12 of them slow: the 0.99 and 0.995 quantiles are supported, and slow
+    assert obs.jitter.at(0.99) == pytest.approx(48.0 / 8.8, rel=0.05)
+    assert obs.jitter.at(0.999) == obs.jitter.at(0.995)   # 0.6 times beyond the 0.999: cut there
+
+
+def test_the_span_starts_at_the_change_and_after_the_warm_up():
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    _feed(o, range(0, 61), RARE_SLOW)
+    other = Settings(2, 0)
+    o.mark_change(60.0)                                 # the new configuration's executions are exact
+    obs = _feed(o, range(61, 81), [8.0], live=other)
+    assert obs.jitter.scv == pytest.approx(0.0, abs=1e-9) and o.jitter(LIVE).at(0.99) > 5.0
+    # a fresh model (statistics from 0): nothing before its 50th execution, then the exact ones only
+    o = ModelObserver("m", window_s=30.0, settle_s=0.0)
+    slow_first = [48.0] * 50 + [8.0] * 1000            # its first 5 s are slow, a warm-up
+    assert _feed(o, range(0, 5), slow_first, before=0).jitter is None
+    obs = _feed(o, range(5, 30), slow_first, before=0)
+    # the observation's 30-s window still holds the warm-up; the jitter's span does not
+    assert obs.warming_up and obs.jitter.scv == pytest.approx(0.0, abs=1e-9)
+    # the statistics restart (a full reload of the same configuration): nothing from before it
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    _feed(o, range(0, 41), RARE_SLOW)
+    assert o.jitter(LIVE).at(0.99) > 5.0
+    obs = _feed(o, range(41, 71), [8.0], before=-400)   # 10 executions at t=41, as after a load
+    assert obs.jitter.scv == pytest.approx(0.0, abs=1e-9)
 
 
 def test_one_windows_stall_does_not_decide_alone():
