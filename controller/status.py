@@ -178,6 +178,13 @@ def _num(x: Any, digits: int = 1) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _share(x: Any) -> str:
+    """A fraction as a percentage that stays readable when small: 0.003 -> "0.3%" (not "0.00"), 1.5 -> "150%"."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return "?"
+    return f"{x:.1%}" if abs(x) < 0.095 else f"{x:.0%}"
+
+
 def _busy_note(o: dict) -> str:
     """" (estimated)" where the busy figure came from the request counters (no `batch_stats` over the
     window: it reads high when batch sizes vary); nothing where it is exact or the log predates the field."""
@@ -333,7 +340,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
         if m.get("capacity") is not None:
             c = m["capacity"]
             if isinstance(c, dict):
-                text = (f"{_num(c.get('utilization'), 2)} of this pod's capacity at {c.get('ceiling')} instance(s)"
+                text = (f"{_share(c.get('utilization'))} of this pod's capacity at {c.get('ceiling')} instance(s)"
                         + (f" ({_num(c.get('capacity_rps'), 1)} req/s, {c.get('source')})" if c.get("capacity_rps") else "")
                         + ("; SATURATED" if c.get("saturated") else ""))
             else:
