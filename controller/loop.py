@@ -705,6 +705,8 @@ class Controller:
             return
         self.observation_log.write({"time": time.time(), "t": round(now, 3), "model": mm.name,
                                     "current": _asdict(mm.current), "reason": mm.last_reason,
+                                    # who decided this tick: "model", "fallback", "reactive"; None for a gate's hold
+                                    "mode": (mm.last_decision.mode or None) if mm.last_decision is not None else None,
                                     "target_ms": mm.limits.p99_target_ms, "obs": summarize_obs(mm.last_obs)})
 
     # -- what the controller sees, for /status -----------------------------------------------------

@@ -145,6 +145,10 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
         inside = [r for r in records if wall0 + 6 + r["obs"]["span_s"] <= r["time"] <= wall0 + LEVEL_S]
         assert inside, (rate, [(round(r["time"] - wall0, 1), r["obs"]) for r in records][-20:])
         assert all(r["obs"]["p99_source"] == "trace" for r in inside), [r["obs"] for r in inside]
+        # each tick says who decided it: nobody on a gate's hold, else the planner's model or the reactive rules
+        gates = {"HoldWarmup", "HoldSettling", "HoldNoData", "HoldBackoff", "HoldFailures", "HoldReloading"}
+        modes = [(r["reason"], r["mode"]) for r in inside]
+        assert all((m is None) if why in gates else m in ("model", "fallback") for why, m in modes), modes
         errors = []
         for r in inside:
             t1, t0 = r["time"] - wall0, r["time"] - wall0 - r["obs"]["span_s"]
