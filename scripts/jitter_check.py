@@ -10,7 +10,9 @@ statistics at the window's two ends (`service.batch_deltas`). From them it fits 
 (`service.fit_service`), estimates the execution jitter (`service.execution_jitter`) and simulates the window's
 rate with the controller's own model (`planner.simulate`): once with exact executions (the planner before
 jitter) and once with the jitter. Prints one row per window: the traced p99 beside both predictions and their
-ratios, and the jitter (squared coefficient of variation; one execution's p99 over its mean).
+ratios, and the jitter (squared coefficient of variation; one execution's p99 over its mean). Beside them, the
+jitter as the controller now estimates it, from the window and the ones before it up to `observer.JITTER_SPAN_S`
+(the same configuration's last minute), its prediction and ratio, and the span's own traced p99.
 
 Measured here (2 cores, no GPU, 10-s windows): resnet_tiny at 1 instance, 10 / 25 / 50 req/s, traced p99
 41.4 / 37.1 / 24.9 ms; exact executions predicted 19.1 / 14.6 / 9.9 (traced / predicted 2.16 / 2.54 / 2.50),
@@ -20,6 +22,9 @@ with the measured jitter (0.79 / 0.71 / 0.53; one execution's p99 4.0 / 4.7 / 3.
 so both predictions are one (0.98 / 1.07 / 1.12); in a noisier minute it read 0.07-0.13 at 2 instances and
 there narrowed the gap (100 / 250 req/s: 1.29 / 1.76 exact, 1.08 / 1.22 with it). The machine's noise moves
 all of these from run to run (an earlier run: resnet_tiny 1.96 / 2.45 / 2.88 exact, 1.06 / 1.00 / 1.04).
+The span, at 6 req/s in 20-s windows (`--rates 6,6,6,6,6 --seconds 20`): traced / predicted 1.32 / 0.97 / 1.63
+/ 1.07 / 1.21 from each window alone, 1.32 / 0.62 / 1.01 / 1.01 / 1.11 from the span (docs/results.md, "The
+jitter's span").
 Exit status 0 when every window had enough traced requests to compare.
 """
 from __future__ import annotations
