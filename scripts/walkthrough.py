@@ -101,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     config.write_text(f"controller:\n  observation_log: {out / 'observations.jsonl'}\n"
                       f"  decision_log: {out / 'decisions.jsonl'}\n")
     seconds = sum(p["duration_s"] for p in args.phase_list)
+    serve_log = open(out / "serve.log", "w")
     serve = subprocess.Popen(
         [sys.executable, "-m", "controller", "serve", "--models", args.model, "--config", str(config),
          "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
          "--controller-metrics-port", str(status_port), "--duration-s", str(seconds + 120)],
-        cwd=ROOT, stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT)
+        cwd=ROOT, stdout=serve_log, stderr=subprocess.STDOUT)
     records: list = []
     try:
         deadline = time.time() + 180
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "status.txt").write_text(status.stdout + status.stderr)
     finally:
         stop_process(serve, timeout_s=60.0)
+        serve_log.close()
     summary = summarise(read_rotated(out / "observations.jsonl"), read_rotated(out / "decisions.jsonl"), args.model)
     failed = sum(1 for r in records if not r.ok)
     summary.update(model=args.model, phases=args.phases, requests=len(records), failed=failed)
