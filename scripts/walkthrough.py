@@ -69,6 +69,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def summarise(observations: list[dict], decisions: list[dict], model: str) -> dict:
     """Ticks per reason and per mode, traced / predicted p99, and the changes applied, from the two logs."""
+    from controller.traces import nearest_rank
     ticks = [r for r in observations if r.get("model") == model]
     reasons = collections.Counter(str(r.get("reason")) for r in ticks)
     decided = [r for r in ticks if r.get("reason") not in GATES and r.get("mode")]
@@ -80,7 +81,8 @@ def summarise(observations: list[dict], decisions: list[dict], model: str) -> di
                for d in decisions if d.get("model") == model and d.get("action") == "applied"]
 
     def at(q: float) -> float | None:
-        return round(ratios[min(len(ratios) - 1, int(q * len(ratios)))], 2) if ratios else None
+        value = nearest_rank(ratios, q)
+        return None if value is None else round(value, 2)
 
     return {"ticks": len(ticks), "reasons": dict(reasons), "modes": dict(modes),
             "traced_over_predicted": {"ticks": len(ratios), "median": at(0.5), "p10": at(0.1), "p90": at(0.9)},
