@@ -984,6 +984,39 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         cost per request falls), which says nothing about the load that comes."""
         return capacity_rps(s, model, mb, 1.0, math.inf, device, upper=hi)
 
+    def best_effort() -> tuple[Candidate | None, Candidate | None]:
+        """Where nothing is predicted under the margin: of every count from the live one to the ceiling, at every
+        delay a change may take, the fewest instances predicted within NO_GAIN of the lowest p99 (at that count,
+        its lowest p99); the live configuration where it is the lowest; where none holds the load (every p99
+        infinite), the ceiling's count, which sustains the most. Returned with the lowest p99 of more instances
+        than the live count (None where none is finite): what one or more instances would buy at best.
+
+        Why every count, not only the ceiling's: where instances share a device, one more can predict a higher
+        p99 (its contention outweighs its parallelism). host_heavy r32 (SLA 50 ms, 341 req/s, 2 x 8000us live)
+        went to the ceiling's best, 4 x 0us (a full reload), where the sweep measured 4 instances slower than 3 at
+        every load (48.8 vs 41.8 ms at 307 req/s); goodput 0.94 of the best static, 1.21 of its instance-seconds.
+        Example (tests/test_planner_choice.py): 3 x 8000us at 43.2 ms, 4 x 8000us 44.6, 4 x 0us 49.8 against a
+        36-ms margin: 3 x 8000us, not the ceiling's 4 x 8000us."""
+        top = max(ceiling, min_instances)
+        first = min(max(live.instance_count, min_instances), top)
+        options = [c for n in range(first, top + 1) for d in delays if reloadable(Settings(n, d))
+                   if (c := at_hi(Settings(n, d))) is not None]
+        finite = [c for c in options if math.isfinite(c.p99_ms)]
+        if not finite:
+            most = min((c for c in options if c.settings.instance_count == top),
+                       key=lambda c: c.settings.max_queue_delay_us, default=None)
+            return most, None
+
+        def lowest(cs: list[Candidate]) -> Candidate | None:
+            return min(cs, key=lambda c: (c.p99_ms, c.settings.max_queue_delay_us), default=None)
+        best = lowest(finite)
+        more = lowest([c for c in finite if c.settings.instance_count > live.instance_count])
+        near = [c for c in finite if c.p99_ms <= NO_GAIN * best.p99_ms and c.settings != live]
+        if best.settings == live or not near:
+            return best, more
+        fewest_n = min(c.settings.instance_count for c in near)
+        return lowest([c for c in near if c.settings.instance_count == fewest_n]), more
+
     live_c = at_hi(live)
     chosen = fewest(limit)
     common = dict(live=live_c, band=band, correction=factor)
@@ -1025,9 +1058,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             return consolidate(free, "buys nothing")
     if chosen is None:
         # nothing is predicted to meet the target: the configuration predicted best, if it beats the live one
-        top = max(ceiling, min_instances)
-        options = [c for c in (at_hi(Settings(top, d)) for d in delays if reloadable(Settings(top, d))) if c is not None]
-        best_c = min(options, key=lambda c: (c.p99_ms, c.settings.max_queue_delay_us), default=None)
+        best_c, more = best_effort()
         if best_c is None or best_c.settings == live:
             return Plan(None, "HoldPredictedNoneMeets", where, usable=True, state=keep, **common)
         overloaded = live_c is not None and not math.isfinite(live_c.p99_ms) and not math.isfinite(best_c.p99_ms)
@@ -1044,7 +1075,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             how = (f"none holds the load: {_fmt_settings(best_c.settings)} sustains {best_rps:.0f} req/s, "
                    f"live {_fmt_settings(live)} {live_rps:.0f}")
         elif live_c is not None and best_c.p99_ms >= BEST_EFFORT_GAIN * live_c.p99_ms:
-            if model.gamma_source != "measured" and best_c.settings.instance_count > live.instance_count:
+            if model.gamma_source != "measured" and more is not None:
                 # why: "more instances buy < 10%" rests here on a contention estimated from the device's
                 # utilisation, no second count having run: a guess, not a measurement, and holding on it kept a
                 # model over its target for a whole CI test (an ensemble step at 2 instances, p99 37.7 ms
@@ -1052,8 +1083,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
                 # to 4 and its p99 fell to 21-23 ms, about 30%, where 14% was predicted). The reactive rules try
                 # one instance more where the queue builds and step back if it bought nothing (review_step);
                 # once a second count has run, gamma is measured and the planner decides on it.
-                return fallback(f"too little data: none is predicted under the target, {_fmt_settings(best_c.settings)} at "
-                                f"{best_c.p99_ms:.1f} ms against the live {live_c.p99_ms:.1f}, but how more instances "
+                return fallback(f"too little data: none is predicted under the target, {_fmt_settings(more.settings)} at "
+                                f"{more.p99_ms:.1f} ms against the live {live_c.p99_ms:.1f}, but how more instances "
                                 f"contend is estimated (gamma {model.gamma:.2f} from {model.gamma_source}), not "
                                 f"measured", state)
             return Plan(None, "HoldPredictedNoneMeets", where, usable=True, state=keep, **common)
