@@ -333,6 +333,37 @@ def test_nothing_meets_the_best_predicted_count_may_be_below_the_ceiling():
     assert p.chosen.p99_ms == pytest.approx(43.2, abs=0.05) and p.live.p99_ms == pytest.approx(54.1, abs=0.05)
 
 
+def test_a_delay_passed_over_for_too_small_a_gain_is_not_traded_for_a_larger_slower_delayed_count():
+    # the same shape at a 50-ms target (margin 45): 3 x 0us 45.4 ms (over), 3 x 8000us 43.2 (under, but < 10%
+    # better than 3 x 0us: passed over), 4 x 0us 49.8, 4 x 8000us 44.6 (10% better than 4 x 0us). The planner
+    # went on to 4 x 8000us: a full reload too, one instance more, slower by its own prediction
+    def fit(a: float, b: float):
+        return fit_service({k: (100, a + b * k) for k in (1, 2, 4, 8)})
+    inp = PlanInputs(fits=((S(1, 0), fit(12.0, 2.0)), (S(2, 8000), fit(14.0, 2.145))), forecast=None,
+                     max_batch=32, interval_s=1.0)
+    p = run(S(2, 8000), 310.0, inp, target=50.0, ceiling=4, max_delay=8000, util=0.75, batch=310 / 75.5)
+    assert p.reason == "ScaleUpPredicted" and p.target == S(3, 8000), (p.reason, p.detail)
+    assert p.chosen.p99_ms == pytest.approx(43.2, abs=0.05)
+
+
+@pytest.mark.parametrize("two_at_0us, two_at_8000us, expected", [
+    pytest.param(45.0, 35.8, S(1, 8000), id="the-count-above-needs-a-delay-and-is-slower"),
+    pytest.param(45.0, 35.4, S(2, 8000), id="the-count-above-is-faster"),
+    pytest.param(30.0, 35.8, S(2, 0), id="the-count-above-holds-without-a-delay"),
+])
+def test_a_delay_passed_over_is_weighed_against_the_count_above(monkeypatch, two_at_0us, two_at_8000us, expected):
+    # predicted p99 (ms), target 40 (margin 36): one instance misses at 0us (39) and meets at 8000us (35.5), not
+    # 10% better, so it is passed over; what the count above offers decides
+    table = {S(1, 0): 39.0, S(1, 8000): 35.5, S(2, 0): two_at_0us, S(2, 8000): two_at_8000us}
+
+    def fake(settings, rate, model, mb, correction, limit, device=None):
+        p99 = table.get(settings, 60.0)
+        return planner.Candidate(settings, rate, p99, p99, 1.0, None, p99 <= limit)
+    monkeypatch.setattr(planner, "predict", fake)
+    p = run(S(1), 200.0, inputs(1, 2), target=40.0, ceiling=3, max_delay=8000)
+    assert p.target == expected, (p.reason, p.detail)
+
+
 def test_nothing_holds_the_load_an_instance_that_sustains_more_is_still_added():
     # 1500-1650 req/s: one instance sustains ~590 req/s, two ~1180; neither holds the load, both p99s are
     # infinite (the "10% lower" rule alone held the live one: two_models_tight r5's 5-s hold), so what decides
