@@ -319,16 +319,22 @@ def test_nothing_meets_moves_to_the_best_predicted_within_the_ceiling():
     assert p.usable and p.reason == "ScaleUpBestEffort" and p.target == S(3, 0), (p.reason, p.detail)
 
 
+def run_host_heavy(target: float):
+    """host_heavy r32's tick, reconstructed: 2 x 8000us live at 310-341 req/s, the device 75% busy, curves
+    measured at 1 instance (12 + 2 b ms) and 2 at 8000us (14 + 2.145 b), 4 instances at most."""
+    def fit(a: float, b: float):
+        return fit_service({k: (100, a + b * k) for k in (1, 2, 4, 8)})
+    inp = PlanInputs(fits=((S(1, 0), fit(12.0, 2.0)), (S(2, 8000), fit(14.0, 2.145))), forecast=None,
+                     max_batch=32, interval_s=1.0)
+    return run(S(2, 8000), 310.0, inp, target=target, ceiling=4, max_delay=8000, util=0.75, batch=310 / 75.5)
+
+
 def test_nothing_meets_the_best_predicted_count_may_be_below_the_ceiling():
     # a host-heavy model on a shared device (host_heavy r32's shape: 2 x 8000us live at ~340 req/s, the device
     # 75% busy): a fourth instance's contention outweighs its parallelism, so 3 x 8000us is predicted at
     # 43.2 ms, 4 x 8000us at 44.6 and 4 x 0us at 49.8, none under 0.9 x 40 ms. The best effort looked at the
     # ceiling's count alone and took 4 x 8000us; now every count from the live one up
-    def fit(a: float, b: float):
-        return fit_service({k: (100, a + b * k) for k in (1, 2, 4, 8)})
-    inp = PlanInputs(fits=((S(1, 0), fit(12.0, 2.0)), (S(2, 8000), fit(14.0, 2.145))), forecast=None,
-                     max_batch=32, interval_s=1.0)
-    p = run(S(2, 8000), 310.0, inp, target=40.0, ceiling=4, max_delay=8000, util=0.75, batch=310 / 75.5)
+    p = run_host_heavy(40.0)
     assert p.usable and p.reason == "ScaleUpBestEffort" and p.target == S(3, 8000), (p.reason, p.detail)
     assert p.chosen.p99_ms == pytest.approx(43.2, abs=0.05) and p.live.p99_ms == pytest.approx(54.1, abs=0.05)
 
@@ -337,11 +343,7 @@ def test_a_delay_passed_over_for_too_small_a_gain_is_not_traded_for_a_larger_slo
     # the same shape at a 50-ms target (margin 45): 3 x 0us 45.4 ms (over), 3 x 8000us 43.2 (under, but < 10%
     # better than 3 x 0us: passed over), 4 x 0us 49.8, 4 x 8000us 44.6 (10% better than 4 x 0us). The planner
     # went on to 4 x 8000us: a full reload too, one instance more, slower by its own prediction
-    def fit(a: float, b: float):
-        return fit_service({k: (100, a + b * k) for k in (1, 2, 4, 8)})
-    inp = PlanInputs(fits=((S(1, 0), fit(12.0, 2.0)), (S(2, 8000), fit(14.0, 2.145))), forecast=None,
-                     max_batch=32, interval_s=1.0)
-    p = run(S(2, 8000), 310.0, inp, target=50.0, ceiling=4, max_delay=8000, util=0.75, batch=310 / 75.5)
+    p = run_host_heavy(50.0)
     assert p.reason == "ScaleUpPredicted" and p.target == S(3, 8000), (p.reason, p.detail)
     assert p.chosen.p99_ms == pytest.approx(43.2, abs=0.05)
 
