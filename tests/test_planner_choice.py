@@ -357,11 +357,7 @@ def test_a_delay_passed_over_is_weighed_against_the_count_above(monkeypatch, two
     # predicted p99 (ms), target 40 (margin 36): one instance misses at 0us (39) and meets at 8000us (35.5), not
     # 10% better, so it is passed over; what the count above offers decides
     table = {S(1, 0): 39.0, S(1, 8000): 35.5, S(2, 0): two_at_0us, S(2, 8000): two_at_8000us}
-
-    def fake(settings, rate, model, mb, correction, limit, device=None):
-        p99 = table.get(settings, 60.0)
-        return planner.Candidate(settings, rate, p99, p99, 1.0, None, p99 <= limit)
-    monkeypatch.setattr(planner, "predict", fake)
+    monkeypatch.setattr(planner, "predict", _fake_predict(lambda s: table.get(s, 60.0)))
     p = run(S(1), 200.0, inputs(1, 2), target=40.0, ceiling=3, max_delay=8000)
     assert p.target == expected, (p.reason, p.detail)
 
