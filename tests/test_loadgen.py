@@ -439,10 +439,12 @@ def test_gc_frozen_nests_across_overlapping_runs():
         frozen = gc.get_freeze_count()
         assert frozen > 0
         garbage = [[] for _ in range(1000)]        # allocated while the first run drives ...
+        # a frozen object that dies leaves the permanent generation, so the count may only fall while frozen
+        # (another thread of a long session drops a few); a second freeze would add the 1000 lists at least
         with gc_frozen():
-            assert gc.get_freeze_count() == frozen     # ... stays collectable when a second starts
+            assert 0 < gc.get_freeze_count() <= frozen     # ... stays collectable when a second starts
         del garbage
-        assert gc.get_freeze_count() == frozen     # the outer run is still measuring
+        assert 0 < gc.get_freeze_count() <= frozen     # the outer run is still measuring
     assert gc.get_freeze_count() == 0
     with pytest.raises(RuntimeError):
         with gc_frozen():
