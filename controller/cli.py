@@ -237,6 +237,14 @@ def _run_controller(controller, endpoint, stop: threading.Event) -> None:
         controller.close()
 
 
+def _server_died(server: TritonServer) -> str:
+    """serve's last words where tritonserver exited under it: the exit code, the log's last error lines (or the
+    abort's backtrace), and where its full log stays (a copy; the work dir goes with the server)."""
+    kept = server.keep_log()
+    return (f"tritonserver exited with code {server.process.returncode}: {server.log_tail()}"
+            + (f" (full log: {kept})" if kept else ""))
+
+
 def _stop_after(seconds: float, stop: threading.Event) -> None:
     """Set `stop` after `seconds`; a daemon timer, so a stop by signal does not wait for it to expire."""
     timer = threading.Timer(seconds, stop.set)
@@ -310,7 +318,7 @@ def cmd_serve(args) -> int:
                   flush=True)
             while not stop.wait(0.5):
                 if server.process.poll() is not None:
-                    raise ServerError(f"tritonserver exited with code {server.process.returncode}: {server.log_tail()}")
+                    raise ServerError(_server_died(server))
             return 0
         server_cfg = dataclasses.replace(
             cfg.server, http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
@@ -333,7 +341,7 @@ def cmd_serve(args) -> int:
         died = _watch_server(server, stop)
         controller.run(stop)
         if died.is_set():
-            raise ServerError(f"tritonserver exited with code {server.process.returncode}: {server.log_tail()}")
+            raise ServerError(_server_died(server))
         return 0
     finally:
         if folder is not None:

@@ -37,6 +37,9 @@ DEFAULT_REPOSITORY = PACKAGE_ROOT / "model_repository"
 
 # Logged by every server without a GPU; never the reason something failed.
 HARMLESS_LOG_LINES = ("NVML", "DCGM", "CudaDriverHelper", "CUDA driver", "GPU metrics", "pinned memory")
+# the first line of what an aborting tritonserver prints: libstdc++'s uncaught exception, or its own signal handler
+CRASH_MARKERS = ("terminate called", "Signal (")
+CRASH_LINES = 24
 
 
 class ServerError(RuntimeError):
@@ -346,12 +349,35 @@ class TritonServer:
             raise ServerError(f"model '{name}' failed to load: {body.get('error', body)}")
 
     def log_tail(self, lines: int = 5) -> str:
+        """The log's last error lines (else its last lines), joined on one line. Where the server aborted, its
+        last words from the abort on instead: the exception's what() and the backtrace (its first frames are the
+        signal handler's and libc's; the frame that threw comes after them), up to `CRASH_LINES` lines."""
         if not self.log_path or not self.log_path.exists():
             return "(no log)"
-        text = [ln for ln in self.log_path.read_text(errors="replace").splitlines()
+        text = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines()
                 if ln.strip() and not any(h in ln for h in HARMLESS_LOG_LINES)]
+        crash = next((i for i, ln in enumerate(text) if ln.startswith(CRASH_MARKERS)), None)
+        if crash is not None:
+            return " | ".join(text[crash:crash + CRASH_LINES])
         errors = [ln for ln in text if ln[:1] in "EW" or "error" in ln.lower()]
         return " | ".join((errors or text)[-lines:])
+
+    def keep_log(self) -> Path | None:
+        """Copy the log out of the work dir (which `stop` removes) to `<tmp>/tritonserver-<pid>.log`, and point
+        `log_path` there: where the server died, its full log is what a user (or an upstream bug report) needs.
+        The log's path if it is kept (one given in the options stays where it is), else None."""
+        if self.log_path is None or not self.log_path.exists():
+            return None
+        if self._workdir is None or self.options.keep_workdir or self._workdir not in self.log_path.parents:
+            return self.log_path
+        pid = self.process.pid if self.process is not None else os.getpid()
+        kept = Path(tempfile.gettempdir()) / f"tritonserver-{pid}.log"
+        try:
+            shutil.copyfile(self.log_path, kept)
+        except OSError:
+            return None
+        self.log_path = kept
+        return kept
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server (it shuts its stub processes down), then kill the group if needed."""

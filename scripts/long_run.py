@@ -167,7 +167,8 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     samples: list[dict] = []
     load = None
-    tail: collections.deque[str] = collections.deque(maxlen=40)
+    # 200 lines: where tritonserver aborts, its backtrace (~30 frames) comes before serve's own last lines
+    tail: collections.deque[str] = collections.deque(maxlen=200)
     tail_lock = threading.Lock()
     try:
         for line in serve.stdout:
@@ -199,6 +200,7 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
             load.join(timeout=phase_s + 15)
         stop_process(serve, timeout_s=60)
     reloads = reloads_logged(decision_log)
+    last_records = read_rotated(decision_log)[-12:]      # what the controller did last, for a failure's report
     shutil.rmtree(work, ignore_errors=True)
     with tail_lock:
         serve_tail = "".join(tail)
@@ -207,7 +209,7 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
             "applied_reasons": reloads["reasons"],
             "requests": None if load is None else load.requests, "failed_requests": None if load is None else load.failed,
             "errors": None if load is None else load.errors, "serve_exit": serve.returncode,
-            "serve_tail": serve_tail, "samples": samples}
+            "serve_tail": serve_tail, "last_decisions": last_records, "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,10 @@ low/high every 20 s (the controller scales up and down), sampled every 3 s; afte
 nor the server grows past a bound in RSS, open fds or threads, and no request fails."""
 from __future__ import annotations
 
+import json
+import warnings
+
+import pytest
 from conftest import load_script
 
 long_run = load_script("long_run")
@@ -39,12 +43,27 @@ def test_the_server_is_compared_at_the_same_instance_count():
         "server threads at 2 instance(s): 98 -> 120 (bound +5)"]
 
 
+def _report(doc: dict) -> str:
+    return (f"{len(doc['samples'])} samples, serve exited {doc['serve_exit']}; serve's last lines:\n{doc['serve_tail']}"
+            "\nthe controller's last records:\n" + "\n".join(json.dumps(r) for r in doc["last_decisions"]))
+
+
 def test_two_minutes_of_serve_under_varying_load_stay_flat():
     # why 20-s phases: under a load that flips every 8 s the planner rightly keeps the instances of the high phase
     # (its forecast's band spans both rates), so an 8-s test passed only on delay-change churn
-    doc = long_run.long_run(minutes=2.0, every_s=3.0, phase_s=20.0, low_rps=20.0, high_rps=200.0, log=lambda _: None)
+    run = lambda: long_run.long_run(minutes=2.0, every_s=3.0, phase_s=20.0, low_rps=20.0, high_rps=200.0,  # noqa: E731
+                                    log=lambda _: None)
+    doc = run()
+    if doc["serve_exit"] != 0 and "tritonserver exited with code" in doc["serve_tail"]:
+        # tritonserver itself aborted (CI of stop 33: a std::length_error ~90 s in, not reproduced in 3 more runs
+        # nor under a stress of trace-setting changes and reloads; README, "Server failures seen in the benches"):
+        # nothing about growth can be judged from that run. Once more on a fresh serve; a second death fails.
+        warnings.warn("tritonserver died under the long run; running it again\n" + _report(doc))
+        doc = run()
     samples = doc["samples"]
-    assert len(samples) >= 15 and doc["serve_exit"] == 0, (len(samples), doc["serve_exit"], doc["serve_tail"])
+    if len(samples) < 15 or doc["serve_exit"] != 0:
+        # in full, not through an assert's repr (cut to a few hundred characters): a server's backtrace is the point
+        pytest.fail(_report(doc), pytrace=False)
     assert doc["requests"] > 2000 and doc["failed_requests"] == 0, doc["errors"]
     assert max(s["stubs"]["count"] for s in samples) >= 2              # the controller did add instances ...
     assert doc["reloads_applied"] >= 2 and doc["reloads_failed"] == 0, doc["applied_reasons"]

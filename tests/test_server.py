@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -221,18 +222,25 @@ def test_model_that_fails_to_load_is_a_clear_error(tmp_path):
         start_server(["broken"], repository=repo)
 
 
-def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
+def _serve(model: str, lines: list[str], env: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """`python -m controller serve` of `model` on free ports, read up to its "controller managing" line (into
+    `lines`); the process and its HTTP port."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "controller", "serve", "--http-port", str(http_port),
-                             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--models", "resnet_tiny"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--models", model],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("controller managing"):
+            break
+    return proc, http_port
+
+
+def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
     t0 = time.monotonic()
-    lines = []
+    lines: list[str] = []
+    proc, http_port = _serve("resnet_tiny", lines)
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("controller managing"):
-                break
         client = http.InferenceServerClient(f"127.0.0.1:{http_port}")
         assert _infer(client, np.zeros((1, 3, 32, 32), np.float32)).shape == (1, 10)
         assert time.monotonic() - t0 < 30, "serve must answer inference within 30 s"
@@ -356,3 +364,50 @@ def test_starting_a_process_beside_busy_grpc_threads_never_aborts_it(server):
         for t in threads:
             t.join()
     assert codes == [0] * 100, {c: codes.count(c) for c in set(codes)}
+
+
+def test_an_aborted_servers_last_words_are_its_exception_and_backtrace(tmp_path):
+    # the CI abort of stop 33, as tritonserver 2.51 writes one (frames 0-8: its signal handler, libc, libstdc++)
+    log = tmp_path / "tritonserver.log"
+    frames = [f" {i}# 0x00007F48278A3F16 in /lib/x86_64-linux-gnu/libc.so.6" for i in range(9)]
+    log.write_text("\n".join([
+        'I1204 06:20:01.1 1 model_lifecycle.cc:839] "successfully loaded \'sim_accel\'"',
+        "W1204 06:20:02.2 1 metrics.cc:1] \"an earlier warning\"",
+        "terminate called after throwing an instance of 'std::length_error'",
+        "  what():  vector::_M_default_append",
+        "Signal (6) received.", *frames,
+        " 9# std::__throw_length_error(char const*) in /lib/x86_64-linux-gnu/libstdc++.so.6",
+        "10# triton::core::SomeFunction() in /opt/lib/libtritonserver.so"]) + "\n")
+    server = TritonServer(ServerOptions(log_path=str(log)))
+    server.log_path = log
+    tail = server.log_tail()
+    assert tail.startswith("terminate called after throwing an instance of 'std::length_error' | what():  "
+                           "vector::_M_default_append | Signal (6) received.")
+    assert tail.endswith("10# triton::core::SomeFunction() in /opt/lib/libtritonserver.so")   # the frame that threw
+    assert "an earlier warning" not in tail
+    # without an abort: the last error or warning lines, as before
+    log.write_text("I1 x] \"fine\"\nE2 y] \"failed to load 'm'\"\nI3 z] \"still fine\"\n")
+    assert server.log_tail() == "E2 y] \"failed to load 'm'\""
+
+
+def test_serve_names_the_abort_and_keeps_the_log_of_a_server_that_died(tmp_path):
+    lines: list[str] = []
+    proc, http_port = _serve("sim_accel", lines, env={**os.environ, "TRITON_AUTOTUNE_RUN_DIR": str(tmp_path)})
+    try:
+        server_pid = int(subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True,
+                                        text=True).stdout.split()[0])
+        os.kill(server_pid, 6)                          # SIGABRT: tritonserver's handler prints its backtrace
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == 1, out
+    last = rest.strip().splitlines()[-1]
+    assert "tritonserver exited with code -6: Signal (6) received. | 0# " in last, out
+    kept = Path(last.rsplit("(full log: ", 1)[1].rstrip(")"))
+    try:
+        assert kept.parent == Path(tempfile.gettempdir()) and "Signal (6) received." in kept.read_text(), out
+        assert "successfully loaded 'sim_accel'" in kept.read_text()          # the whole log, not its tail
+    finally:
+        kept.unlink(missing_ok=True)
