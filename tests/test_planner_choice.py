@@ -912,11 +912,7 @@ def test_a_scale_down_never_raises_the_delay(monkeypatch, one_at_0us, expected):
     # predicted p99 (ms) at the upper band, target 40: 2x0us live at 20; one instance only with a long delay
     # is under 0.8 x 40 = 32 -- the trade the shift bench made (2x0us -> 1x8000us), which the sweep refuted
     table = {S(2, 0): 20.0, S(1, 0): one_at_0us, S(1, 8000): 25.0}
-
-    def fake(settings, rate, model, mb, correction, limit, device=None):
-        p99 = table.get(settings, 39.0)
-        return planner.Candidate(settings, rate, p99, p99, 1.0, None, p99 <= limit)
-    monkeypatch.setattr(planner, "predict", fake)
+    monkeypatch.setattr(planner, "predict", _fake_predict(lambda s: table.get(s, 39.0)))
     state = PlannerState()
     for k in range(CONSOLIDATE_TICKS):
         p = run(S(2), 200.0, inputs(1, 2), state, max_delay=8000, now=100.0 + k)
