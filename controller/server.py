@@ -356,9 +356,16 @@ class TritonServer:
             return "(no log)"
         text = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines()
                 if ln.strip() and not any(h in ln for h in HARMLESS_LOG_LINES)]
-        crash = next((i for i, ln in enumerate(text) if ln.startswith(CRASH_MARKERS)), None)
-        if crash is not None:
-            return " | ".join(text[crash:crash + CRASH_LINES])
+        marks = [i for i, ln in enumerate(text) if ln.startswith(CRASH_MARKERS)]
+        if marks:
+            # the last abort (a stub's earlier crash may have printed its own); its "terminate called" and what()
+            # come just before the handler's "Signal (6) received."
+            start = marks[-1]
+            for i in reversed(marks[:-1]):
+                if start - i > 3:
+                    break
+                start = i
+            return " | ".join(text[start:start + CRASH_LINES])
         errors = [ln for ln in text if ln[:1] in "EW" or "error" in ln.lower()]
         return " | ".join((errors or text)[-lines:])
 

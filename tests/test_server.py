@@ -371,6 +371,8 @@ def test_an_aborted_servers_last_words_are_its_exception_and_backtrace(tmp_path)
     log = tmp_path / "tritonserver.log"
     frames = [f" {i}# 0x00007F48278A3F16 in /lib/x86_64-linux-gnu/libc.so.6" for i in range(9)]
     log.write_text("\n".join([
+        "Signal (11) received.", " 0# 0x0000556CD01DE52D in triton_python_backend_stub",  # an earlier one's
+        *[f'I1204 06:19:5{i}.0 1 model_lifecycle.cc:472] "loading: sim_accel:1"' for i in range(5)],
         'I1204 06:20:01.1 1 model_lifecycle.cc:839] "successfully loaded \'sim_accel\'"',
         "W1204 06:20:02.2 1 metrics.cc:1] \"an earlier warning\"",
         "terminate called after throwing an instance of 'std::length_error'",
