@@ -47,7 +47,14 @@ def live_stubs(server: TritonServer) -> dict[int, list[str]]:
     return out
 
 
+# why: after a failed full reload (a test of one) tritonserver 2.51's shutdown waits its whole exit timeout
+# (30 s by default) for the failed version, which stays "live"; three module teardowns lost 30 s each to it in CI.
+# A healthy test server stops in ~2 s. `serve` keeps Triton's default for users (a graceful drain).
+TEST_EXIT_TIMEOUT_S = 5
+
+
 def start_server(models: list[str], **kw) -> TritonServer:
+    kw["extra_args"] = [f"--exit-timeout-secs={TEST_EXIT_TIMEOUT_S}", *kw.get("extra_args", [])]
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), models=models, **kw)
     return TritonServer(options).start()
 
