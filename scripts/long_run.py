@@ -143,10 +143,9 @@ class Load(threading.Thread):
             k += 1
 
 
-def reloads_logged(decision_log: Path) -> dict:
-    """Applied and failed changes in the decision log and its rotated files (decisions.jsonl.1 ...), and the
+def reloads_logged(records: list[dict]) -> dict:
+    """Applied and failed changes in a decision log's records (`read_rotated`: with its rotated files), and the
     reasons of the applied ones in order (e.g. ["ScaleUpPredicted", "ScaleDownConsolidated"])."""
-    records = read_rotated(decision_log)
     actions = [r.get("action") for r in records]
     return {"applied": actions.count("applied"), "failed": actions.count("failed"),
             "reasons": [str(r.get("reason")) for r in records if r.get("action") == "applied"]}
@@ -199,8 +198,9 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
             load.stop.set()
             load.join(timeout=phase_s + 15)
         stop_process(serve, timeout_s=60)
-    reloads = reloads_logged(decision_log)
-    last_records = read_rotated(decision_log)[-12:]      # what the controller did last, for a failure's report
+    records = read_rotated(decision_log)
+    reloads = reloads_logged(records)
+    last_records = records[-12:]                         # what the controller did last, for a failure's report
     shutil.rmtree(work, ignore_errors=True)
     with tail_lock:
         serve_tail = "".join(tail)

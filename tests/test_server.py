@@ -229,10 +229,14 @@ def _serve(model: str, lines: list[str], env: dict | None = None) -> tuple[subpr
     proc = subprocess.Popen([sys.executable, "-m", "controller", "serve", "--http-port", str(http_port),
                              "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--models", model],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("controller managing"):
-            break
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("controller managing"):
+                break
+    except BaseException:
+        proc.kill()                                     # e.g. the test's timeout while serve starts: no process left
+        raise
     return proc, http_port
 
 
@@ -380,8 +384,8 @@ def test_an_aborted_servers_last_words_are_its_exception_and_backtrace(tmp_path)
         "Signal (6) received.", *frames,
         " 9# std::__throw_length_error(char const*) in /lib/x86_64-linux-gnu/libstdc++.so.6",
         "10# triton::core::SomeFunction() in /opt/lib/libtritonserver.so"]) + "\n")
-    server = TritonServer(ServerOptions(log_path=str(log)))
-    server.log_path = log
+    server = TritonServer(ServerOptions())
+    server.log_path = log                               # what start() sets
     tail = server.log_tail()
     assert tail.startswith("terminate called after throwing an instance of 'std::length_error' | what():  "
                            "vector::_M_default_append | Signal (6) received.")
