@@ -86,9 +86,12 @@ def test_instances_rise_under_load_and_fall_after_with_no_failed_request(sim_ser
     assert act.read(MODEL)[1] == Settings(1, 0)
     applied = [r for r in _records(log_path) if r["action"] == "applied"]
     ups = [r for r in applied if r["reason"].startswith("ScaleUp")]
-    # the load-driven scale-down: the planner's consolidation, or the reactive rule where it stood aside
-    downs = [r for r in applied if r["reason"] in ("ScaleDownConsolidated", "ScaleDownIdle", "ScaleDownKnownGood")]
-    assert ups and downs, [(r["reason"], r["target"]) for r in applied]
+    # the load-driven scale-down: the planner's consolidation, its choice of fewer instances where the live count
+    # is predicted over the target and fewer under it (CI on 6c13640 went 4 -> 1 "ScaleDownPredicted"), or the
+    # reactive rule where it stood aside. Not a memory cap's or a no-gain review's step back.
+    downs = [r for r in applied if r["reason"] in ("ScaleDownConsolidated", "ScaleDownPredicted", "ScaleDownIdle",
+                                                   "ScaleDownKnownGood")]
+    assert ups and downs, [(r["reason"], r["target"], r.get("detail", "")[:200]) for r in applied]
     assert all(r["obs"].get("valid", True) for r in ups)
     assert ups[0]["t"] < downs[0]["t"]
     assert all(r["kind"] == "in_place" for r in applied)    # max_delay_us=0: only instance changes
