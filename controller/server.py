@@ -18,6 +18,7 @@ from __future__ import annotations
 import compileall
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -40,6 +41,9 @@ HARMLESS_LOG_LINES = ("NVML", "DCGM", "CudaDriverHelper", "CUDA driver", "GPU me
 # the first line of what an aborting tritonserver prints: libstdc++'s uncaught exception, or its own signal handler
 CRASH_MARKERS = ("terminate called", "Signal (")
 CRASH_LINES = 24
+SLOW_STOP_S = 3.0      # a stop that takes longer than this is named in the log (see TritonServer.stop)
+
+log = logging.getLogger("controller.server")
 
 
 class ServerError(RuntimeError):
@@ -392,11 +396,22 @@ class TritonServer:
         if p is None:
             return
         if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            first = min(SLOW_STOP_S, timeout_s)
             try:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=timeout_s)
+                p.wait(timeout=first)
             except subprocess.TimeoutExpired:
-                pass
+                # why: Triton waits up to its exit timeout (--exit-timeout-secs, 30 s by default) for its models
+                # to unload, and 2.51 waits all of it after a failed reload (the failed version stays "live"):
+                # said, so that a slow stop does not read as a hang
+                if timeout_s > first:
+                    log.info("waiting up to %.0f s more for tritonserver (pid %d) to unload its models and exit",
+                             timeout_s - first, p.pid)
+                try:
+                    p.wait(timeout=timeout_s - first)
+                except subprocess.TimeoutExpired:
+                    log.warning("tritonserver (pid %d) did not exit within %.0f s of SIGTERM; killing it",
+                                p.pid, timeout_s)
         # Stubs are in the server's process group (new session at start): nothing may outlive us.
         try:
             os.killpg(p.pid, signal.SIGKILL)

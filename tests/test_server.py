@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -417,3 +418,29 @@ def test_serve_names_the_abort_and_keeps_the_log_of_a_server_that_died(tmp_path)
         assert "successfully loaded 'sim_accel'" in kept.read_text()          # the whole log, not its tail
     finally:
         kept.unlink(missing_ok=True)
+
+
+def test_a_slow_stop_is_named_and_a_server_that_ignores_sigterm_is_killed(caplog):
+    # a stand-in for a tritonserver waiting out its exit timeout: it ignores SIGTERM for 60 s
+    script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    server = TritonServer(ServerOptions())
+    server.process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
+    assert server.process.stdout.readline() == b"up\n"      # its handler is set before SIGTERM comes
+    pid = server.process.pid
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="controller.server"):
+        server.stop(timeout_s=4.0)
+    took = time.monotonic() - start
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"waiting up to 1 s more for tritonserver (pid {pid}) to unload its models and exit" in messages, messages
+    assert f"tritonserver (pid {pid}) did not exit within 4 s of SIGTERM; killing it" in messages, messages
+    assert 4.0 <= took < 15, took
+    assert server.process is None and not process_alive(pid)
+
+
+def test_a_quick_stop_says_nothing(caplog):
+    server = TritonServer(ServerOptions())
+    server.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    with caplog.at_level(logging.INFO, logger="controller.server"):
+        server.stop(timeout_s=30.0)                     # SIGTERM's default action ends it at once
+    assert not [r for r in caplog.records if r.name == "controller.server"], caplog.records
