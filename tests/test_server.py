@@ -426,6 +426,7 @@ def test_a_slow_stop_is_named_and_a_server_that_ignores_sigterm_is_killed(caplog
     server = TritonServer(ServerOptions())
     server.process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
     assert server.process.stdout.readline() == b"up\n"      # its handler is set before SIGTERM comes
+    server.process.stdout.close()                            # it writes nothing more
     pid = server.process.pid
     start = time.monotonic()
     with caplog.at_level(logging.INFO, logger="controller.server"):
