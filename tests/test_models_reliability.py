@@ -114,3 +114,65 @@ def _registry(srv) -> str:
                          text=True).stdout.split()[0]
     return os.path.join(os.environ.get("RESNET_TINY_DIR") or os.path.join(tempfile.gettempdir(), f"resnet_tiny_{pid}"),
                         "resnet_tiny")
+
+
+def test_each_instance_warms_up_before_it_serves_and_a_bad_warmup_list_fails_only_that_load(srv):
+    log = srv.log_path.read_text(errors="replace")
+    # the default ("auto"): 1, 2, 4, ... and max_batch_size 32, before the instance was ready
+    assert re.search(r"resnet_tiny_0_0: warmed up on cpu at batch sizes 1,2,4,8,16,32 in \d+ ms", log), log[-3000:]
+    control = TritonControl(srv.grpc_url, srv.http_url)
+    original = control.config("resnet_tiny")
+    x = np.zeros((1, 3, 32, 32), np.float32)
+
+    custom = copy.deepcopy(original)
+    custom.setdefault("parameters", {})["warmup_batch_sizes"] = {"string_value": "8,1"}
+    offset = len(srv.log_path.read_text(errors="replace"))
+    control.load("resnet_tiny", custom)
+    try:
+        assert re.search(r"warmed up on cpu at batch sizes 1,8 in \d+ ms", srv.log_path.read_text(errors="replace")[offset:])
+
+        bad = copy.deepcopy(original)
+        bad.setdefault("parameters", {})["warmup_batch_sizes"] = {"string_value": "4,64"}
+        with pytest.raises(Exception) as err:
+            control.load("resnet_tiny", bad)
+        assert "warmup_batch_sizes '4,64'" in str(err.value) and "max_batch_size 32" in str(err.value), err.value
+        assert control.ready("resnet_tiny")                   # the version loaded before still serves
+        assert _infer(srv.http_url, x).shape == (1, 10)
+    finally:
+        control.load("resnet_tiny", original)
+    assert _infer(srv.http_url, x).shape == (1, 10)
+
+
+@pytest.mark.parametrize("text, on_gpu, expected", [
+    ("auto", False, [1, 2, 4, 8, 16, 32]),
+    ("auto", True, list(range(1, 33))),       # every shape: on a GPU each one's first pass is slow
+    ("all", False, list(range(1, 33))),
+    (" 8,1,8 ", True, [1, 8]),
+    ("0", True, []),
+    ("", False, []),
+    ("none", True, []),
+])
+def test_warmup_batch_sizes(monkeypatch, text, on_gpu, expected):
+    assert _model_module(monkeypatch).warmup_batch_sizes(text, 32, on_gpu) == expected
+
+
+@pytest.mark.parametrize("text", ["4,64", "0,1", "-1", "two", "1,,2", "1.5"])
+def test_a_bad_warmup_list_is_named(monkeypatch, text):
+    with pytest.raises(ValueError, match="warmup_batch_sizes .*max_batch_size 32"):
+        _model_module(monkeypatch).warmup_batch_sizes(text, 32, False)
+
+
+def _model_module(monkeypatch):
+    """resnet_tiny's model.py imported outside a server, with a bare stand-in for the backend's utility module
+    (only the pure functions are called)."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.setattr(sys, "dont_write_bytecode", sys.dont_write_bytecode)   # model.py sets it; restored after
+    path = Path(__file__).resolve().parents[1] / "model_repository" / "resnet_tiny" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("resnet_tiny_model_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
