@@ -14,7 +14,8 @@
 #  2. check NVML sees a device (the controller runs with `gpu: nvml`, so no NVML = no bench);
 #  3. sweep instances 1,2,4 x max_queue_delay_us 0,2000 at the scenario's levels (about 1.5 minutes);
 #  4. bench default / best_static / oracle / adaptive over scripts/scenarios/gpu_short.yaml (80 s of
-#     traffic per arm, about 6-7 minutes with server starts) and print the same summary table;
+#     traffic per arm, about 6-7 minutes with server starts) and print the same summary table
+#     (on one H200 with 16 cores, steps 2-4 took 499 s: docs/bench/gpu_h200/);
 #  5. only where NVML sees 2 or more GPUs (TWO_GPUS=0 skips it): the adaptive arm again with resnet_tiny on
 #     GPUs 0 and 1 (`{ count: 1, kind: KIND_GPU, gpus: [ 0, 1 ] }`: one instance on each), up to 6 instances,
 #     into OUT_DIR/two_gpus, then print where the instances went (the decision log's per-device placement;
@@ -34,10 +35,13 @@ n = pynvml.nvmlDeviceGetCount()
 assert n > 0
 h = pynvml.nvmlDeviceGetHandleByIndex(0)
 name = pynvml.nvmlDeviceGetName(h)
-print(f"NVML: {n} device(s); device 0 is {name.decode() if isinstance(name, bytes) else name}")
+driver = pynvml.nvmlSystemGetDriverVersion()
+print(f"NVML: {n} device(s); device 0 is {name.decode() if isinstance(name, bytes) else name}, "
+      f"driver {driver.decode() if isinstance(driver, bytes) else driver}")
 PYEOF
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "gpu_bench.sh: torch has no CUDA here; install a CUDA build of torch" >&2; exit 2; }
+"$PY" -c "import sys, torch; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}')"
 
 REPO=$(mktemp -d /tmp/gpu-bench-repo.XXXXXX)
 trap 'rm -rf "$REPO"' EXIT
