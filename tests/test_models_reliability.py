@@ -143,20 +143,23 @@ def test_each_instance_warms_up_before_it_serves_and_a_bad_warmup_list_fails_onl
     assert _infer(srv.http_url, x).shape == (1, 10)
 
 
-@pytest.mark.parametrize("text, on_gpu, expected", [
-    ("auto", False, [1, 2, 4, 8, 16, 32]),
-    ("auto", True, list(range(1, 33))),       # every shape: on a GPU each one's first pass is slow
-    ("all", False, list(range(1, 33))),
-    (" 8,1,8 ", True, [1, 8]),
-    ("0", True, []),
-    ("", False, []),
-    ("none", True, []),
+@pytest.mark.parametrize("text, max_batch, on_gpu, expected", [
+    ("auto", 32, False, [1, 2, 4, 8, 16, 32]),
+    ("AUTO ", 12, False, [1, 2, 4, 8, 12]),
+    ("auto", 1, False, [1]),
+    ("auto", 32, True, list(range(1, 33))),       # every shape: on a GPU each one's first pass is slow
+    ("auto", 100, True, list(range(1, 65)) + [100]),   # every size up to 64, then powers of two and the maximum
+    ("all", 32, False, list(range(1, 33))),
+    (" 8, 1,8 ", 32, True, [1, 8]),
+    ("0", 32, True, []),
+    ("", 32, False, []),
+    ("none", 32, True, []),
 ])
-def test_warmup_batch_sizes(monkeypatch, text, on_gpu, expected):
-    assert _model_module(monkeypatch).warmup_batch_sizes(text, 32, on_gpu) == expected
+def test_warmup_batch_sizes(monkeypatch, text, max_batch, on_gpu, expected):
+    assert _model_module(monkeypatch).warmup_batch_sizes(text, max_batch, on_gpu) == expected
 
 
-@pytest.mark.parametrize("text", ["4,64", "0,1", "-1", "two", "1,,2", "1.5"])
+@pytest.mark.parametrize("text", ["4,64", "0,1", "-1", "+1", "1_0", "two", "1,,2", "1.5", "1, x"])
 def test_a_bad_warmup_list_is_named(monkeypatch, text):
     with pytest.raises(ValueError, match="warmup_batch_sizes .*max_batch_size 32"):
         _model_module(monkeypatch).warmup_batch_sizes(text, 32, False)
@@ -171,6 +174,7 @@ def _model_module(monkeypatch):
     from pathlib import Path
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
     monkeypatch.setattr(sys, "dont_write_bytecode", sys.dont_write_bytecode)   # model.py sets it; restored after
+    monkeypatch.setattr(sys, "path", list(sys.path))                              # model.py prepends its folder
     path = Path(__file__).resolve().parents[1] / "model_repository" / "resnet_tiny" / "1" / "model.py"
     spec = importlib.util.spec_from_file_location("resnet_tiny_model_under_test", path)
     module = importlib.util.module_from_spec(spec)

@@ -20,15 +20,18 @@ by one: the good ones are answered and each one that still fails gets its own er
 
 Before `initialize` returns, each instance runs one forward pass of zeros at each batch size of the
 `warmup_batch_sizes` parameter, so that a new instance, one added by a scale-up included, does not serve
-its first requests cold. "auto" (the default) is every size from 1 to max_batch_size on a GPU and
-1, 2, 4, ... and max_batch_size on the CPU; "all" is every size; "0" is none; else a comma-separated list.
+its first requests cold. "auto" (the default) is every size up to max_batch_size on a GPU (up to 64, then
+powers of two, so that a large max_batch_size does not make every load slow) and 1, 2, 4, ... and
+max_batch_size on the CPU; "all" is every size; "0" (or "none", or empty) is none; else a comma-separated
+list. A bad value fails the load, naming it.
 Measured on an H200 (docs/bench/gpu_h200/): in a fresh process the first pass took 846 ms at batch 1 and
-about 24 ms at each further batch size seen for the first time, 3 and 5 included after 1, 2, 4, 8, 16 and
-32 had run (cuDNN sets up each shape), and 1.7-2.1 ms from the second pass on; without a warm-up the first
-3 s at 50 req/s had a p99 of 256-325 ms, with the powers-of-two warm-up 7-9 ms. Every size on a GPU
-follows from that per-shape cost (about 0.6 s more per instance load; not yet measured in a bench); on the
-CPU the per-shape cost is small beside the pass itself, and warming 32 sizes would add about a second to
-every load on a small host.
+23-76 ms at each further batch size seen for the first time (3 and 5 too, after 1, 2, 4, 8, 16 and 32 had
+run; cuDNN's per-shape set-up is the likely cause, not checked), and 1.6-2.1 ms from the second pass on;
+without a warm-up the first 3 s at 50 req/s had a p99 of 256-325 ms, with the powers-of-two warm-up 7-9 ms.
+Every size on a GPU follows from that per-shape cost (about 0.6 s more per instance load at max_batch_size
+32; not yet measured in a bench); on the CPU the first pass at a new size costs little beside the pass
+itself, and 32 sizes would add about a second (an estimate) to every load on a 2-core host (the powers of
+two took 115-150 ms there).
 """
 from __future__ import annotations
 
@@ -54,27 +57,33 @@ def _param(config: dict, key: str, default: str) -> str:
     return config.get("parameters", {}).get(key, {}).get("string_value", default)
 
 
+EVERY_SIZE_UP_TO = 64   # "auto" on a GPU: every batch size up to this, powers of two above (bounds the load time)
+
+
 def warmup_batch_sizes(text: str, max_batch: int, on_gpu: bool) -> list[int]:
-    """The batch sizes of the warm-up (see the module's docstring). Raises ValueError naming a bad value."""
+    """The batch sizes of the warm-up (see the module's docstring). Raises ValueError naming a bad value.
+    Example, max_batch 32: "auto" on the CPU -> [1, 2, 4, 8, 16, 32]; on a GPU -> [1, 2, ..., 32];
+    "8,1" -> [1, 8]; "0" -> []; "4,64" -> ValueError."""
     text = text.strip().lower()
-    if text == "all" or (text == "auto" and on_gpu):
+    powers, b = [], 1
+    while b < max_batch:
+        powers.append(b)
+        b *= 2
+    powers.append(max_batch)
+    if text == "all":
         return list(range(1, max_batch + 1))
     if text == "auto":
-        sizes, b = [], 1
-        while b < max_batch:
-            sizes.append(b)
-            b *= 2
-        return sizes + [max_batch]
+        if not on_gpu:
+            return powers
+        return sorted(set(range(1, min(max_batch, EVERY_SIZE_UP_TO) + 1)) | set(powers))
     if text in ("", "0", "none"):
         return []
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or any(not 1 <= b <= max_batch for b in sizes):
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and part.isascii() for part in parts) or \
+            any(not 1 <= int(part) <= max_batch for part in parts):
         raise ValueError(f"parameter warmup_batch_sizes {text!r}: expected 'auto', 'all', '0', or comma-separated "
                          f"batch sizes from 1 to max_batch_size {max_batch}")
-    return sorted(set(sizes))
+    return sorted({int(part) for part in parts})
 
 
 def _alive(pid: int) -> bool:
@@ -136,6 +145,9 @@ class TritonPythonModel:
             if kind == "GPU":
                 pb_utils.Logger.log_warn(f"{self.instance_name}: KIND_GPU but torch has no CUDA; running on CPU")
             self.device = torch.device("cpu")
+        # checked before anything is set up, so that a bad value fails the load at once
+        sizes = warmup_batch_sizes(_param(config, "warmup_batch_sizes", "auto"),
+                                   int(config.get("max_batch_size", 0)) or 1, self.device.type == "cuda")
         self.fixed_threads = int(_param(config, "cpu_threads_per_instance", "0"))
         self.siblings = SiblingRegistry(self.model_name) if self.device.type == "cpu" and not self.fixed_threads else None
         self.threads, self._threads_checked = 0, 0.0
@@ -147,7 +159,6 @@ class TritonPythonModel:
         weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights.pt")
         self.net = network.build(int(_param(config, "seed", "0")), weights).to(self.device)
         self.max_batch = int(config.get("max_batch_size", 0)) or 1
-        sizes = warmup_batch_sizes(_param(config, "warmup_batch_sizes", "auto"), self.max_batch, self.device.type == "cuda")
         t0 = time.perf_counter()
         for b in sizes:    # not counted in the model's own metrics below: no request was served
             self._forward([np.zeros((b, *INPUT_SHAPE), np.float32)], [])
