@@ -264,9 +264,10 @@ class ModelObserver:
 
         Why: a fresh model's first requests are slow (lazy initialisation in the backend; on a GPU the CUDA
         context and cuDNN's set-up per batch size: on an H200, resnet_tiny without its warm-up had a p99 of
-        180-270 ms in its first second against 7 ms later, docs/results.md "A real GPU (H200)"), and a window's p99 over a few hundred traced requests is its 3rd or 4th
-        slowest: a handful of them reads as a model error. Measured here, sim_accel on a fresh server at 115
-        req/s: the first two requests took 32 and 41 ms, the rest 11-20 ms; in the bursty bench (r18) the first
+        180-270 ms in its first second against 7 ms later, docs/results.md "A real GPU (H200)"), and a
+        window's p99 over a few hundred traced requests is its 3rd or 4th slowest: a handful of them reads as
+        a model error. Measured here, sim_accel on a fresh server at 115 req/s: the first two requests took 32
+        and 41 ms, the rest 11-20 ms; in the bursty bench (r18) the first
         windows read a traced p99 of 43-47 ms against 19 predicted, the planner stood aside on that 2.3x and
         the reactive rules added an instance at 3 s that the oracle never needed. The planner therefore records
         no observed/predicted ratio from such a span (policy.decide_by_model), as Kubernetes' HPA discounts a

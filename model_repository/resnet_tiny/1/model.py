@@ -145,9 +145,10 @@ class TritonPythonModel:
             if kind == "GPU":
                 pb_utils.Logger.log_warn(f"{self.instance_name}: KIND_GPU but torch has no CUDA; running on CPU")
             self.device = torch.device("cpu")
+        self.max_batch = int(config.get("max_batch_size", 0)) or 1
         # checked before anything is set up, so that a bad value fails the load at once
-        sizes = warmup_batch_sizes(_param(config, "warmup_batch_sizes", "auto"),
-                                   int(config.get("max_batch_size", 0)) or 1, self.device.type == "cuda")
+        sizes = warmup_batch_sizes(_param(config, "warmup_batch_sizes", "auto"), self.max_batch,
+                                   self.device.type == "cuda")
         self.fixed_threads = int(_param(config, "cpu_threads_per_instance", "0"))
         self.siblings = SiblingRegistry(self.model_name) if self.device.type == "cpu" and not self.fixed_threads else None
         self.threads, self._threads_checked = 0, 0.0
@@ -158,7 +159,6 @@ class TritonPythonModel:
         self.fault_injection = _param(config, "fault_injection", "0") == "1"
         weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights.pt")
         self.net = network.build(int(_param(config, "seed", "0")), weights).to(self.device)
-        self.max_batch = int(config.get("max_batch_size", 0)) or 1
         t0 = time.perf_counter()
         for b in sizes:    # not counted in the model's own metrics below: no request was served
             self._forward([np.zeros((b, *INPUT_SHAPE), np.float32)], [])
