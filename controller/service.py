@@ -20,7 +20,8 @@ Two layers, both pure (no I/O, no clock: the caller passes the time):
 
 Counter restarts (a full reload, a server restart) and configuration changes never put a wrong
 or negative interval into the sums: such an interval is dropped and the sample that ends it
-becomes the new baseline.
+becomes the new baseline. The first executions after such a baseline are left out as well
+(`SETTLE_EXECUTIONS` per instance): they hold the new instances' cold start.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ HALF_LIFE_S = 600.0         # data of a configuration loses half its weight per 
 MAX_CONFIGS = 32            # configurations kept per model; the least recently fed goes first
 MAX_SIZES = 1024            # batch sizes kept per configuration (Triton's max_batch_size is far lower)
 MIN_WEIGHT = 0.01           # a size whose decayed executions fall below this is forgotten
+SETTLE_EXECUTIONS = 25      # per instance: executions after a change, restart or gap that the sums leave out
 
 
 @dataclass(frozen=True)
@@ -302,7 +304,22 @@ class ServiceTimes:
     * the previous sample is missing (failed scrape, no settings): a gap may hide a reload whose
       counters have already grown past the old values.
 
-    So nothing negative is ever added. Memory is bounded: per configuration only two sums per
+    So nothing negative is ever added. After each new baseline, intervals are also left out (counted
+    in `settling`) until the executions since that baseline reach `settle_executions` x the
+    configuration's instance count, checked at the interval's start: the interval that holds the
+    count's crossing is still left out. Why: a new instance's first executions (a full reload's, an
+    in-place scale-up's, a restarted server's) include its cold start, which a model that does not
+    warm up pays in its first requests; on an H200, resnet_tiny without its warm-up took 846 ms for
+    its first execution and 23-76 ms for each new batch size against 1.6-2.1 ms later
+    (docs/bench/gpu_h200/). Summed in, one such execution among 200 of 2.5 ms read s(1) as 4.1 ms
+    five seconds after a scale-up and 2.8 ms (+13%) after 30 s, at 200 executions a second; the
+    planner would have taken the new configuration for a slower one. An instance's first execution
+    of a batch size it had not run before, much later, is not caught: it is one execution among
+    that size's many. A scale-down in place starts no instance and loses its first executions too
+    (a second of data under load). The instance count is the configuration's, so an in-place
+    scale-up's one new instance gets a share of the count, not all of it: at n = 4 about 25.
+
+    Memory is bounded: per configuration only two sums per
     batch size (at most `max_sizes` sizes), at most `max_configs` configurations (the one fed
     least recently is evicted), and one baseline sample.
 
@@ -312,20 +329,25 @@ class ServiceTimes:
     is not running keeps its last curve unchanged (it is still the best knowledge of it) until
     it runs again. `half_life_s=None` keeps every execution at full weight (whole counts).
 
-    Example: samples at t=0 and t=1 with size 4 going from (100 executions, 1.2e9 ns) to
-    (150, 1.8e9 ns) under Settings(1, 4000) add 50 executions of 12.0 ms at b=4 to that
-    configuration; if the t=2 sample shows (3, 3.6e7 ns) (a full reload), nothing is added
-    and t=2 is the new baseline.
+    Example (settle_executions=25): under Settings(1, 4000) size 4 goes from (100 executions,
+    1.2e9 ns) at t=0 (the first sample: the baseline) to (130, 1.56e9 ns) at t=1 and (180, 2.16e9
+    ns) at t=2. The interval t=0..1 began with 0 executions since the baseline: left out; t=1..2
+    began with 30 >= 25 x 1: 50 executions of 12.0 ms at b=4 are added. If the t=3 sample shows
+    (3, 3.6e7 ns) (a full reload), nothing is added and t=3 is the new baseline.
     """
 
     def __init__(self, min_executions: float = MIN_EXECUTIONS, half_life_s: float | None = HALF_LIFE_S,
-                 max_configs: int = MAX_CONFIGS, max_sizes: int = MAX_SIZES) -> None:
+                 max_configs: int = MAX_CONFIGS, max_sizes: int = MAX_SIZES,
+                 settle_executions: int = SETTLE_EXECUTIONS) -> None:
         self.min_executions = min_executions
         self.half_life_s = half_life_s
         self.max_configs = max(1, max_configs)
         self.max_sizes = max(1, max_sizes)
+        self.settle_executions = max(0, settle_executions)
         self.resets = 0
         self.straddles = 0
+        self.settling = 0            # intervals left out after a new baseline (cold start)
+        self._settle_base: int | None = None    # executions at the last new baseline; None once settled
         # per configuration, in least-recently-fed-first order: size -> [executions, compute ns]
         self._sums: dict[Settings, dict[int, list[float]]] = {}
         self._fed_at: dict[Settings, float] = {}
@@ -339,14 +361,22 @@ class ServiceTimes:
             return
         previous, self._baseline = self._baseline, (settings, stats)
         if previous is None:
+            self._settle_base = _executions(stats)
             return
         old_settings, old_stats = previous
         if old_settings != settings:
             self.straddles += 1
+            self._settle_base = _executions(stats)
             return
         if counters_restarted(old_stats, stats):
             self.resets += 1
+            self._settle_base = _executions(stats)
             return
+        if self._settle_base is not None:
+            if _executions(old_stats) - self._settle_base < self.settle_executions * settings.instance_count:
+                self.settling += 1
+                return
+            self._settle_base = None
         deltas = batch_deltas(old_stats, stats)
         if deltas:
             self._accumulate(settings, deltas, now)
@@ -409,6 +439,11 @@ class ServiceTimes:
         points = self.points(settings)
         return {"alpha_ms": None, "beta_ms": None, "r2": None,
                 "executions": round(sum(n for n, _ in points.values())), "sizes": sorted(points)}
+
+
+def _executions(stats: StatsCounters) -> int:
+    """Executions the statistics count over every batch size >= 1 (each execution once)."""
+    return sum(b.executions for size, b in stats.batch_stats.items() if size >= 1)
 
 
 def _is_time(value: Any) -> bool:

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import start_server
+from conftest import sim_copy, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.evaluation.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync
-from controller.service import ServiceFit, ServiceTimes, batch_deltas, counters_restarted, fit_service
+from controller.service import SETTLE_EXECUTIONS, ServiceFit, ServiceTimes, batch_deltas, counters_restarted, fit_service
 from controller.signals import BatchStat, Scraper, StatsCounters, parse_stats
 from controller.types import Settings
 
@@ -100,7 +100,7 @@ def test_real_sim_accel_rows_fit_its_cost_model():
          "compute_output": {"count": 2, "ns": 1020291}},
         {"batch_size": 6, "compute_input": {"count": 1, "ns": 82437}, "compute_infer": {"count": 1, "ns": 16066222},
          "compute_output": {"count": 1, "ns": 375813}}]}]}
-    times = ServiceTimes()
+    times = ServiceTimes(settle_executions=0)   # the settle has its own tests
     times.add(S1, _stats({}), 0.0)                      # before any traffic: no rows
     times.add(S1, parse_stats(answer)["sim_accel"], 3.0)
     fit = times.fit(S1)
@@ -159,7 +159,7 @@ def test_fit_never_raises_and_never_predicts_negative(points, b):
 # =====================================================================================
 
 def test_deltas_between_two_samples_become_per_size_means():
-    times = ServiceTimes(min_executions=20, half_life_s=None)
+    times = ServiceTimes(settle_executions=0, min_executions=20, half_life_s=None)
     times.add(S1, _stats({1: _ms(100, 7.5)}), 0.0)
     times.add(S1, _stats({1: _ms(110, 7.5), 2: _ms(5, 9.0)}), 1.0)
     assert times.points(S1) == {1: (10, pytest.approx(7.5)), 2: (5, pytest.approx(9.0))}
@@ -189,7 +189,7 @@ def test_input_infer_and_output_times_all_count():
     ],
 )
 def test_counter_restart_adds_nothing_and_becomes_the_baseline(after):
-    times = ServiceTimes(min_executions=1, half_life_s=None)
+    times = ServiceTimes(settle_executions=0, min_executions=1, half_life_s=None)
     before = _stats({1: _ms(50, 7.5), 2: _ms(20, 9.0)}, execution_count=70)
     assert counters_restarted(before, after) and not counters_restarted(before, before)
     times.add(S1, before, 0.0)
@@ -203,7 +203,7 @@ def test_counter_restart_adds_nothing_and_becomes_the_baseline(after):
 
 
 def test_settings_change_drops_the_straddling_interval():
-    times = ServiceTimes(min_executions=1, half_life_s=None)
+    times = ServiceTimes(settle_executions=0, min_executions=1, half_life_s=None)
     times.add(S1, _stats({1: _ms(10, 7.5)}), 0.0)
     times.add(S1, _stats({1: _ms(20, 7.5)}), 1.0)                     # S1: 10 at b=1
     times.add(S2, _stats({1: _ms(20, 7.5), 8: _ms(7, 30.0)}), 2.0)    # straddles: the b=8 executions go nowhere
@@ -215,7 +215,7 @@ def test_settings_change_drops_the_straddling_interval():
 
 
 def test_a_failed_scrape_breaks_the_chain():
-    times = ServiceTimes(min_executions=1, half_life_s=None)
+    times = ServiceTimes(settle_executions=0, min_executions=1, half_life_s=None)
     times.add(S1, _stats({1: _ms(10, 7.5)}), 0.0)
     times.add(S1, None, 1.0)                                     # gap: a reload may hide in it
     times.add(S1, _stats({1: _ms(40, 7.5)}), 2.0)
@@ -230,8 +230,68 @@ def test_a_failed_scrape_breaks_the_chain():
     assert times.points(S1) == {1: (3, pytest.approx(7.5))}
 
 
+@pytest.mark.parametrize(
+    "restart, instances, left_out",
+    [
+        # (how the new baseline comes, the configuration's instances, intervals left out at 10 executions each)
+        pytest.param("first", 1, 3, id="first-sample-1-instance"),        # 0, 10, 20 < 25 at the start; 30 is not
+        pytest.param("first", 2, 5, id="first-sample-2-instances"),       # 0..40 < 50 at the start
+        pytest.param("straddle", 4, 10, id="change-to-4-instances"),      # 0..90 < 100
+        pytest.param("reset", 1, 3, id="counters-restarted"),
+        pytest.param("gap", 1, 3, id="failed-scrape"),
+    ],
+)
+def test_the_first_executions_after_a_new_baseline_are_left_out(restart, instances, left_out):
+    live = Settings(instances, 0)
+    times = ServiceTimes(min_executions=1, half_life_s=None)
+    t, n, ns = 0.0, 1000, 1000 * 5_000_000
+    if restart == "straddle":
+        times.add(Settings(1, 0), _stats({1: (n, ns)}), t)
+        t += 1
+    elif restart == "reset":
+        times.add(live, _stats({1: _ms(5000, 5.0)}), t)
+        t, n, ns = t + 1, 0, 0
+    elif restart == "gap":
+        times.add(live, _stats({1: (n, ns)}), t)
+        times.add(live, None, t + 1)
+        t += 2
+    times.add(live, _stats({1: (n, ns)}), t)              # the new baseline
+    for k in range(1, 16):
+        n, ns, t = n + 10, ns + 10 * (400_000_000 if k == 1 else 5_000_000), t + 1   # the first interval: a cold start
+        times.add(live, _stats({1: (n, ns)}), t)
+    assert times.settling == left_out
+    assert times.points(live) == {1: (10 * (15 - left_out), pytest.approx(5.0))}   # the 400-ms interval is out
+    assert times.straddles == (restart == "straddle") and times.resets == (restart == "reset")
+
+
+def test_a_cold_start_after_a_scale_up_stays_out_of_the_curve():
+    """The docstring's case: 200 executions a second of s(b) = 2 + 0.5 b ms after a scale-up, the new instance's
+    first one 846 ms and its first of each size 50 ms more (an H200's cold start, docs/bench/gpu_h200/)."""
+    def fits(settle: int) -> list[float]:
+        times = ServiceTimes(half_life_s=600.0, settle_executions=settle)
+        rows = {b: [0, 0] for b in range(1, 5)}
+        seen: set[int] = set()
+        out = []
+        for t in range(0, 31):
+            for k in range(200 if t else 0):
+                b = (1, 1, 2, 2, 3, 4)[k % 6]
+                ms = 2.0 + 0.5 * b + (846.0 if t == 1 and k == 0 else 0.0) + (50.0 if b not in seen else 0.0)
+                seen.add(b)
+                rows[b][0] += 1
+                rows[b][1] += int(ms * 1e6)
+            times.add(Settings(2, 0), StatsCounters(batch_stats={b: BatchStat(n, 0, ns, 0) for b, (n, ns) in rows.items()
+                                                                   if n}), float(t))
+            if t in (5, 30):
+                out.append(times.fit(Settings(2, 0)).predict_ms(1))
+        return out
+
+    assert fits(SETTLE_EXECUTIONS) == [pytest.approx(2.5), pytest.approx(2.5)]
+    summed = fits(0)
+    assert summed[0] > 3.5 and summed[1] > 2.7        # summed in, it reads the new configuration as slower
+
+
 def test_state_stays_bounded():
-    times = ServiceTimes(min_executions=1, max_configs=3, max_sizes=8, half_life_s=None)
+    times = ServiceTimes(settle_executions=0, min_executions=1, max_configs=3, max_sizes=8, half_life_s=None)
     for i in range(10):
         settings_i = Settings(1 + i, 0)
         times.add(settings_i, _stats({}), 2.0 * i)
@@ -242,7 +302,7 @@ def test_state_stays_bounded():
 
 
 def test_decay_follows_drift_and_a_config_not_running_keeps_its_curve():
-    times = ServiceTimes(min_executions=1, half_life_s=10.0)
+    times = ServiceTimes(settle_executions=0, min_executions=1, half_life_s=10.0)
     times.add(S1, _stats({1: _ms(0, 10.0)}), 0.0)
     times.add(S1, _stats({1: _ms(10, 10.0)}), 1.0)
     times.add(S2, _stats({1: _ms(10, 10.0)}), 2.0)              # S2 runs meanwhile: S1 untouched
@@ -257,7 +317,7 @@ def test_decay_follows_drift_and_a_config_not_running_keeps_its_curve():
     n, ms = times.points(S1)[1]
     assert n == pytest.approx(10.625) and ms == pytest.approx(19.41, abs=0.01)
 
-    kept = ServiceTimes(min_executions=1, half_life_s=None)
+    kept = ServiceTimes(settle_executions=0, min_executions=1, half_life_s=None)
     for sample, t in ((_stats({1: _ms(0, 10.0)}), 0.0), (_stats({1: _ms(10, 10.0)}), 1.0),
                       (_stats({1: _ms(30, 10.0)}), 31.0), (slower, 41.0)):
         kept.add(S1, sample, t)
@@ -288,11 +348,46 @@ def test_any_sequence_of_samples_never_raises_nor_adds_negative(steps):
 # Live: sim_accel on a real tritonserver
 # =====================================================================================
 
+class _StatsPoller:
+    """Reads one model's statistics every 0.5 s on a thread and hands them, with the time, to `feed`."""
+
+    def __init__(self, server, model: str, feed) -> None:
+        self.scraper = Scraper(server.metrics_url, server.http_url)
+        self.model, self.feed, self.polls = model, feed, 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop_event.is_set():
+            every = self.scraper.all_stats()
+            self.feed(None if every is None else every.get(self.model), time.monotonic())
+            self.polls += 1
+            self.stop_event.wait(0.5)
+
+    def wait(self, k: int) -> None:
+        """Until `k` more polls have been fed."""
+        target = self.polls + k
+        while self.polls < target and self.thread.is_alive():
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join()
+
+
+def _load(server, model: str, phases: list[dict], seed: int) -> None:
+    """Open-loop Poisson load through `phases`; every request must succeed."""
+    schedule = poisson_schedule(load_trace({"phases": phases}), seed=seed, max_requests=10_000)
+    results = run_open_loop_sync(server.grpc_url, model, schedule, make_inputs_from_config(server.http_url, model),
+                                 timeout_s=10.0)
+    assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+
+
 @pytest.mark.slow
 def test_live_sim_accel_service_curve_and_full_reload_restarts_the_counters():
     model, first, second = "sim_accel", Settings(1, 4000), Settings(1, 2000)
     server = start_server([model])
-    stop = threading.Event()
     poller = None
     try:
         act = Actuator(TritonControl(server.grpc_url, server.http_url))
@@ -301,31 +396,16 @@ def test_live_sim_accel_service_curve_and_full_reload_restarts_the_counters():
         times = ServiceTimes(half_life_s=None)
         blind = ServiceTimes(half_life_s=None)   # told `first` throughout: only the restart rule protects it
         live = {"settings": first}
-        polls = [0]
 
-        def poll() -> None:
-            while not stop.is_set():
-                every = scraper.all_stats()
-                stats, now = (None if every is None else every.get(model)), time.monotonic()
-                times.add(live["settings"], stats, now)
-                blind.add(first, stats, now)
-                polls[0] += 1
-                stop.wait(0.5)
-
-        def wait_polls(k: int) -> None:
-            target = polls[0] + k
-            while polls[0] < target:
-                time.sleep(0.05)
+        def feed(stats, now) -> None:
+            times.add(live["settings"], stats, now)
+            blind.add(first, stats, now)
 
         def load(phases: list[dict]) -> None:
-            trace = load_trace({"phases": phases})
-            schedule = poisson_schedule(trace, seed=11, max_requests=10_000)
-            results = run_open_loop_sync(server.grpc_url, model, schedule, make_inputs_from_config(server.http_url, model),
-                                         timeout_s=10.0)
-            assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+            _load(server, model, phases, seed=11)
 
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
+        poller = _StatsPoller(server, model, feed)
+        wait_polls = poller.wait
         wait_polls(1)
         # Two rates, 4 ms of queue delay: batches of 1-2 at the low rate, 3-6 once the single instance queues.
         load([{"name": "low", "duration_s": 5, "rate_rps": 60}, {"name": "high", "duration_s": 7, "rate_rps": 220}])
@@ -352,8 +432,7 @@ def test_live_sim_accel_service_curve_and_full_reload_restarts_the_counters():
         wait_polls(1)
         load([{"name": "second", "duration_s": 4, "rate_rps": 150}])
         wait_polls(2)
-        stop.set()
-        poller.join()
+        poller.stop()
 
         assert times.executions(first) == executions_first                # nothing after the reload leaked into it
         assert times.fit(second) is not None and times.executions(second) >= 20, times.summary(second)
@@ -364,7 +443,57 @@ def test_live_sim_accel_service_curve_and_full_reload_restarts_the_counters():
             assert all(n > 0 and ms > 0 for n, ms in t.points(s).values())
         print("live fit", second, times.summary(second), "blind", blind.summary(first), "resets", blind.resets)
     finally:
-        stop.set()
         if poller is not None:
-            poller.join()
+            poller.stop()
+        server.stop()
+
+
+@pytest.mark.slow
+def test_live_cold_start_stays_out_of_the_curve_after_a_load_and_a_scale_up(tmp_path):
+    """sim_accel with a cold start (800 ms on each instance's first execution, 50 ms on its first of each batch size,
+    about an H200's without a warm-up) on a real tritonserver: loaded, then scaled up in place to two instances. The
+    settled sums leave the cold executions out; the same samples summed from the first (settle_executions=0) hold
+    them."""
+    model, one, two = "sim_cold", Settings(1, 0), Settings(2, 0)
+    sim_copy(tmp_path, model, {'"cold_first_execution_ms", value: { string_value: "0" }':
+                               '"cold_first_execution_ms", value: { string_value: "800" }',
+                               '"cold_new_batch_size_ms", value: { string_value: "0" }':
+                               '"cold_new_batch_size_ms", value: { string_value: "50" }'})
+    server = start_server([model], repository=tmp_path)
+    poller = None
+    try:
+        act = Actuator(TritonControl(server.grpc_url, server.http_url))
+        settled, summed = ServiceTimes(half_life_s=None), ServiceTimes(half_life_s=None, settle_executions=0)
+        live = {"settings": one}
+
+        def feed(stats, now) -> None:
+            for times in (settled, summed):
+                times.add(live["settings"], stats, now)
+
+        poller = _StatsPoller(server, model, feed)
+        poller.wait(2)
+        _load(server, model, [{"name": "one", "duration_s": 5, "rate_rps": 60}], seed=5)
+        poller.wait(2)
+        result = act.apply(model, two)
+        assert result.ok and result.kind != "full_reload", result
+        live["settings"] = two
+        poller.wait(2)
+        _load(server, model, [{"name": "two", "duration_s": 6, "rate_rps": 90}], seed=5)
+        poller.wait(2)
+        poller.stop()
+        for s in (one, two):
+            print("cold-start", s, "settled", settled.points(s), "summed", summed.points(s), "left out", settled.settling)
+        for s in (one, two):
+            kept, every = settled.points(s), summed.points(s)
+            assert kept and settled.fit(s) is not None, settled.summary(s)
+            # what the settle left out: every execution the summed sums hold beyond the settled ones
+            out_n = sum(n for n, _ in every.values()) - sum(n for n, _ in kept.values())
+            out_ms = sum(n * ms for n, ms in every.values()) - sum(n * ms for n, ms in kept.values())
+            normal_ms = sum(n * ms for n, ms in kept.values()) / sum(n for n, _ in kept.values())
+            assert out_ms - out_n * normal_ms >= 0.8 * 800, (s, out_n, out_ms, normal_ms)   # the cold start went there
+            # and the settled curve is the cost model's (6 + 1.5 b ms, plus the backend's 1-4.5 ms, see above)
+            assert all(ms <= 6.0 + 1.5 * b + 4.5 for b, (n, ms) in kept.items() if n >= 5), kept
+    finally:
+        if poller is not None:
+            poller.stop()
         server.stop()

@@ -19,6 +19,12 @@ almost no CPU, so two cores are enough to simulate many instances.
 Each instance keeps a buffer of `instance_memory_mb` (touched, so it is resident) and reports it
 as `sim_device_memory_bytes`; `sim_device_busy_us_total` counts slot-holding time.
 
+COLD START (off by default): `cold_first_execution_ms` is added to each instance's first execution and
+`cold_new_batch_size_ms` to its first execution of each batch size, on the host side, as a GPU model that
+does not warm up pays its CUDA context and per-shape kernel set-up in its first requests (measured on an
+H200 with resnet_tiny and no warm-up: 846 ms for the first forward pass, 23-76 ms for each new batch size,
+docs/bench/gpu_h200/). It lets the controller's handling of such models be tested on a CPU machine.
+
 SEVERAL SIMULATED GPUs: an instance of a group named `<anything>_simgpu<k>` (KIND_CPU: the server has no
 GPU) runs on simulated GPU k: its own slots (`<device_name>_gpu<k>`), and its memory and slot time also
 reported as `sim_gpu<k>_memory_bytes` and `sim_gpu<k>_busy_us_total`. The controller reads such a group as
@@ -133,6 +139,9 @@ class TritonPythonModel:
         self.host_per_item_s = float(_param(config, "host_per_item_ms", "1.0")) / 1e3
         self.base_s = float(_param(config, "compute_base_ms", "2")) / 1e3
         self.per_item_s = float(_param(config, "compute_per_item_ms", "0.5")) / 1e3
+        self.cold_first_s = float(_param(config, "cold_first_execution_ms", "0")) / 1e3
+        self.cold_size_s = float(_param(config, "cold_new_batch_size_ms", "0")) / 1e3
+        self.sizes_run: set[int] = set()       # batch sizes this instance has executed (for the cold start)
         m = SIM_GPU_GROUP.fullmatch(self.instance_name.rsplit("_", 1)[0])
         self.sim_gpu = int(m.group(1)) if m else None      # which simulated GPU, for a `*_simgpu<k>` group
         _check_sim_gpu_groups(config)
@@ -214,7 +223,9 @@ class TritonPythonModel:
         if inputs:
             items = sum(len(x) for _, x in inputs)
             t0 = time.perf_counter()
-            time.sleep(self.overhead_s + self.host_per_item_s * items)   # host side: device free
+            cold = (0.0 if self.sizes_run else self.cold_first_s) + (0.0 if items in self.sizes_run else self.cold_size_s)
+            self.sizes_run.add(items)
+            time.sleep(self.overhead_s + self.host_per_item_s * items + cold)   # host side: device free
             fd = self.device.acquire()
             try:
                 t_dev = time.perf_counter()
