@@ -136,6 +136,8 @@ def summarize_obs(obs: Observation) -> dict:
         out["service"] = obs.service.summary()
     if obs.jitter is not None:
         out["jitter"] = obs.jitter.summary()
+    if obs.cold_start is not None:
+        out["cold_start"] = obs.cold_start
     if obs.gpus:
         out["mem_used_mb"] = r(sum(g.memory_used_bytes or 0 for g in obs.gpus) / 2**20, 1)
     return out

@@ -175,7 +175,8 @@ class ModelObserver:
             self._add_jitter(now, live, obs.since + obs.span_s, ends[1])
             fit = self.service.fit(live)
             jitter = self.jitter(live)
-            obs = dataclasses.replace(obs, service=fit, jitter=jitter, predicted_p99_ms=None if fit is None else
+            obs = dataclasses.replace(obs, service=fit, jitter=jitter, cold_start=self.service.cold_start(),
+                                      predicted_p99_ms=None if fit is None else
                                       self._window_p99(obs, live, max(1, max_batch_size), fit, jitter))
         self.last = obs
         return obs

@@ -26,6 +26,7 @@ becomes the new baseline. The first executions after such a baseline are left ou
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -41,6 +42,11 @@ MAX_CONFIGS = 32            # configurations kept per model; the least recently 
 MAX_SIZES = 1024            # batch sizes kept per configuration (Triton's max_batch_size is far lower)
 MIN_WEIGHT = 0.01           # a size whose decayed executions fall below this is forgotten
 SETTLE_EXECUTIONS = 25      # per instance: executions after a change, restart or gap that the sums leave out
+COLD_START_EXECUTIONS = 25  # a settle whose left-out executions took this many executions' worth more than the curve
+COLD_START_RATIO = 1.25     # ... and this many times the curve's time for them
+COLD_START_SETTLES = 2      # ... in this many of the last COLD_START_KEPT settles: the model starts cold
+COLD_START_KEPT = 8
+SEED_SPAN_S = 5.0           # after a restart of the counters this recent, a settle's reading holds all since the load
 
 
 @dataclass(frozen=True)
@@ -348,6 +354,10 @@ class ServiceTimes:
         self.straddles = 0
         self.settling = 0            # intervals left out after a new baseline (cold start)
         self._settle_base: int | None = None    # executions at the last new baseline; None once settled
+        self._left_out: dict[int, list[float]] = {}   # size -> [executions, ns] left out since that baseline
+        # the last COLD_START_KEPT settles: (configuration, its left-out executions: size -> (executions, ns))
+        self._settles: deque[tuple[Settings, dict[int, tuple[float, float]]]] = deque(maxlen=COLD_START_KEPT)
+        self._last: tuple[float, StatsCounters] | None = None   # the last sample with statistics, kept across gaps
         # per configuration, in least-recently-fed-first order: size -> [executions, compute ns]
         self._sums: dict[Settings, dict[int, list[float]]] = {}
         self._fed_at: dict[Settings, float] = {}
@@ -360,26 +370,54 @@ class ServiceTimes:
             self._baseline = None
             return
         previous, self._baseline = self._baseline, (settings, stats)
+        last, self._last = self._last, (now, stats)
         if previous is None:
-            self._settle_base = _executions(stats)
+            self._restart_settle(stats, last, now)
             return
         old_settings, old_stats = previous
         if old_settings != settings:
             self.straddles += 1
-            self._settle_base = _executions(stats)
+            self._restart_settle(stats, last, now)
             return
         if counters_restarted(old_stats, stats):
             self.resets += 1
-            self._settle_base = _executions(stats)
+            self._restart_settle(stats, last, now)
             return
+        deltas = batch_deltas(old_stats, stats)
         if self._settle_base is not None:
             if _executions(old_stats) - self._settle_base < self.settle_executions * settings.instance_count:
                 self.settling += 1
+                for size, (executions, ns) in deltas.items():
+                    if size in self._left_out or len(self._left_out) < self.max_sizes:
+                        kept = self._left_out.setdefault(size, [0.0, 0.0])
+                        kept[0] += executions
+                        kept[1] += ns
                 return
             self._settle_base = None
-        deltas = batch_deltas(old_stats, stats)
+            if self._left_out:
+                self._settles.append((settings, {b: (n, ns) for b, (n, ns) in self._left_out.items()}))
         if deltas:
             self._accumulate(settings, deltas, now)
+
+    def _restart_settle(self, stats: StatsCounters, last: tuple[float, StatsCounters] | None, now: float) -> None:
+        """A new baseline: the executions from here on are left out until the settle's count is reached.
+
+        Where the counters restarted (a full reload, a restarted server) and the last sample with statistics is
+        at most SEED_SPAN_S old, the settle's cold reading (not the curve) also gets every execution since the
+        load. Why: the controller reads no configuration while a reload is in flight, so the first sample after
+        it (this baseline) comes up to a tick after the new instances were ready, and a cold first execution
+        (800 ms in the cold_start bench) had often ended before it. Not after an in-place change, where the
+        executions since the last sample are the old instances' during the load: on this 2-core machine
+        resnet_tiny's ran at 3.9x its curve while a second instance loaded (torch's import and warm-up), which
+        is the machine's contention, not a cold start. Not after a long gap either (a restart long ago).
+        """
+        self._settle_base = _executions(stats)
+        self._left_out = {}
+        if last is None or not 0 <= now - last[0] <= SEED_SPAN_S or not counters_restarted(last[1], stats):
+            return
+        for size, (executions, ns) in batch_deltas(StatsCounters(), stats).items():
+            if len(self._left_out) < self.max_sizes:
+                self._left_out[size] = [float(executions), float(ns)]
 
     def _accumulate(self, settings: Settings, deltas: dict[int, tuple[int, int]], now: float) -> None:
         sums = self._sums.pop(settings, None)
@@ -430,6 +468,46 @@ class ServiceTimes:
             return None
         return fit_service(points)
 
+    def _settle_reading(self, settings: Settings, left_out: dict[int, tuple[float, float]]) -> dict[str, Any] | None:
+        """One settle's left-out executions against the configuration's curve now (None without a fit)."""
+        fit = self.fit(settings)
+        if fit is None:
+            return None
+        executions = sum(n for n, _ in left_out.values())
+        usual = sum(n * fit.predict_ms(b) for b, (n, _) in left_out.items())
+        took = sum(ns for _, ns in left_out.values()) / 1e6
+        if executions <= 0 or usual <= 0:
+            return None
+        return {"instances": settings.instance_count, "delay_us": settings.max_queue_delay_us,
+                "executions": round(executions), "ms": round(took / executions, 3), "usual_ms": round(usual / executions, 3),
+                "excess_executions": round((took - usual) / (usual / executions), 1)}
+
+    def settle_readings(self) -> list[dict[str, Any]]:
+        """The readings of the last COLD_START_KEPT settles whose configuration has a curve, oldest first."""
+        return [r for s, left_out in self._settles if (r := self._settle_reading(s, left_out)) is not None]
+
+    def cold_start(self) -> dict[str, Any] | None:
+        """The model's cold start, if its settles show one (JSON-ready), else None.
+
+        Each settle's left-out executions (the first `settle_executions` per instance after a change, restart or
+        gap, and after a full reload those since the load: `_restart_settle`) are compared with their
+        configuration's curve at their batch sizes: `excess_executions` is the time they took beyond the curve's,
+        in executions of their mean time. A settle reads cold where that excess is COLD_START_EXECUTIONS or more (the cold start cost at
+        least a one-instance settle's length) and the executions took COLD_START_RATIO x the curve's time or
+        more (so that a small mismatch of the curve over many executions is not read as one). The model starts
+        cold where COLD_START_SETTLES of the last COLD_START_KEPT settles read cold (one stall of the machine in
+        a settle is not a cold start; an in-place scale-down starts no instance and reads warm, which is why not
+        "most of them"); the latest such reading is returned. The excess, not the ratio alone, decides because an
+        in-place scale-up's warm instances dilute the new one's cold executions. Measured on a real tritonserver:
+        sim_accel with an 800-ms first execution and 50 ms more per new batch size read about 100 executions'
+        worth after its load and after an in-place scale-up, plain sim_accel about 7 (the Python backend's own
+        first calls). Example: 57 left out that took 1,327 ms where the curve gives 8.1 ms each (462 ms): 865 ms
+        more, 106.8 executions' worth, 2.9x the curve: cold.
+        """
+        cold = [r for r in self.settle_readings()
+                if r["excess_executions"] >= COLD_START_EXECUTIONS and r["ms"] >= COLD_START_RATIO * r["usual_ms"]]
+        return cold[-1] if len(cold) >= COLD_START_SETTLES else None
+
     def summary(self, settings: Settings) -> dict[str, Any]:
         """For logs and status (JSON-ready). Example: {"alpha_ms": 6.171, "beta_ms": 1.634, "r2": 0.969,
         "executions": 60, "sizes": [1, 2, 4]}; the three figures are None until there is a fit with a slope."""
@@ -454,5 +532,5 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-__all__ = ["ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas", "Jitter", "execution_jitter", "quantile_mean",
+__all__ = ["COLD_START_EXECUTIONS", "COLD_START_RATIO", "SETTLE_EXECUTIONS", "ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas", "Jitter", "execution_jitter", "quantile_mean",
            "MIN_EXECUTIONS", "HALF_LIFE_S"]

@@ -334,6 +334,14 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                              + (f"; executions of one size vary: p99 {jitter['p99_x']}x their mean"
                                 if isinstance(jitter, dict) and (jitter.get("scv") or 0) >= JITTER_FLOOR
                                 and jitter.get("p99_x") else "")))
+            cold = o.get("cold_start")
+            if isinstance(cold, dict):
+                rows.append(("cold start", f"the first {cold.get('executions')} executions after a change to "
+                             f"{cold.get('instances')} x {cold.get('delay_us')}us took {_num(cold.get('ms'), 1)} ms each, "
+                             f"against {_num(cold.get('usual_ms'), 1)} ms after them: warm the model up before it is "
+                             "ready (in initialize, or Triton's model_warmup); until then every instance a reload "
+                             "starts serves its first requests slowly, and the planner changes the delay (a full "
+                             "reload) only where it must"))
         else:
             now = m.get("obs_now")
             rows.append(("load", NOW_WHY.get(now, now) if now else "no observation yet"))

@@ -66,6 +66,7 @@ class Observation:
     service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config
     jitter: "Jitter | None" = None        # ... and how much one execution varies around it (service.execution_jitter)
     warming_up: bool = False              # the span holds the model's first executions since it loaded (observer)
+    cold_start: "dict | None" = None      # the model's measured cold start after loads, or None (ServiceTimes.cold_start)
     invalid_reason: str = ""              # when valid=False: "no_samples" | "scrape_failed" | "too_few_samples" | "span_too_short"
 
     @property

@@ -195,6 +195,15 @@ def test_the_text_is_one_aligned_block_per_model():
     assert rows_warm["p99"] == ("12.34 ms  from trace, 240 samples  (tracing on, 1 in 7 requests); warming up: the "
                                 "model's first executions since it loaded, not held against its model")
     assert rows["last change"].endswith("(2m 10s ago) 1 -> 2 instances, delay 0 us: ScaleUpQueueGrowing (in place, 0.7 s)")
+    # a model whose first executions after a change run slow (service.ServiceTimes.cold_start) is told what to do
+    cold = dict(SEEN, obs=dict(SEEN["obs"], cold_start={"instances": 2, "delay_us": 0, "executions": 50, "ms": 24.0,
+                                                        "usual_ms": 8.0, "excess_executions": 100.0}))
+    rows_cold = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", cold)[1:])
+    assert rows_cold["cold start"] == (
+        "the first 50 executions after a change to 2 x 0us took 24.0 ms each, against 8.0 ms after them: warm the "
+        "model up before it is ready (in initialize, or Triton's model_warmup); until then every instance a reload "
+        "starts serves its first requests slowly, and the planner changes the delay (a full reload) only where it must")
+    assert "cold start" not in rows
 
 
 def test_the_text_says_when_there_is_no_fresh_data_and_when_a_reload_is_in_flight():
