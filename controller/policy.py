@@ -557,7 +557,9 @@ def decide_delay(obs: Observation, current: Settings, state: PolicyState, limits
         return Decision(dataclasses.replace(current, max_queue_delay_us=halved), "DelayDecreaseNearTarget",
                         detail=f"p99 {p99:.1f} ms >= target {limits.p99_target_ms:g} ms")
     light = obs.busy_fraction < LIGHT_BUSY and obs.pending_mean < 0.5
-    if d > limits.min_delay_us and light:
+    # why: a model that starts cold (service.ServiceTimes.cold_start) pays it again in every instance of a full
+    # reload, and at light load a shorter delay saves at most the delay (planner.choose's `starts_cold`)
+    if d > limits.min_delay_us and light and obs.cold_start is None:
         return Decision(dataclasses.replace(current, max_queue_delay_us=halved), "DelayDecreaseLightLoad",
                         detail=f"busy {obs.busy_fraction:.0%}, no queue")
     small_batches = max_batch_size <= 0 or obs.avg_batch_size < max_batch_size / 2
@@ -629,7 +631,8 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
                           min_instances=limits.min_instances, ceiling=ceiling, min_delay_us=limits.min_delay_us,
                           max_delay_us=limits.max_delay_us, delay_allowed=delay_allowed,
                           device_util=device_utilisation(obs), exec_rps=obs.exec_rps, avg_batch=obs.avg_batch_size,
-                          now=now, reload_max=full_reload_max_count(current, limits, state, obs))
+                          now=now, reload_max=full_reload_max_count(current, limits, state, obs),
+                          starts_cold=obs.cold_start is not None)
     if not plan.usable:
         return None, dataclasses.replace(state, plan=pstate), plan.detail
     state = dataclasses.replace(state, plan=plan.state)

@@ -36,10 +36,11 @@ def inputs(*counts: int, forecast: Forecast | None = None, max_batch: int = 32, 
 
 
 def run(live: Settings, rate: float, inp: PlanInputs, state: PlannerState = PlannerState(), *, target=40.0,
-        ceiling=8, max_delay=10_000, delay_allowed=True, util=None, now=100.0, batch=1.5, reload_max=None):
+        ceiling=8, max_delay=10_000, delay_allowed=True, util=None, now=100.0, batch=1.5, reload_max=None,
+        starts_cold=False):
     return choose(live, rate, inp, state, target_ms=target, min_instances=1, ceiling=ceiling, min_delay_us=0,
                   max_delay_us=max_delay, delay_allowed=delay_allowed, device_util=util, exec_rps=rate / batch,
-                  avg_batch=batch, now=now, reload_max=reload_max)
+                  avg_batch=batch, now=now, reload_max=reload_max, starts_cold=starts_cold)
 
 
 # ---- the forecast -------------------------------------------------------------------------------
@@ -674,6 +675,30 @@ def _fake_predict(p99_of):
         raw = p99_of(settings)
         return planner.Candidate(settings, arrival_rps, raw * corr, raw, 2.0, None, raw * corr <= limit_ms)
     return predict
+
+
+@pytest.mark.parametrize("starts_cold, ceiling, expected", [
+    pytest.param(False, 3, S(1, 2000), id="warm-the-fewest-instances-with-a-delay"),
+    pytest.param(True, 3, S(2, 0), id="cold-one-more-instance-in-place"),
+    pytest.param(True, 1, S(1, 2000), id="cold-but-only-the-delay-meets"),
+])
+def test_a_model_that_starts_cold_changes_its_delay_only_where_it_must(monkeypatch, starts_cold, ceiling, expected):
+    # one instance misses at 0us (38 > 36 ms) and meets at 2000us (30), two at 0us meet (20): the fewest instances
+    # first is 1 x 2000us, a full reload whose instances all start cold; a model that starts cold takes the second
+    # instance in place instead, unless no count at the live delay meets the target (ceiling 1)
+    monkeypatch.setattr(planner, "predict", _fake_predict(
+        lambda s: 20.0 if s.instance_count > 1 else 30.0 if s.max_queue_delay_us == 2000 else 38.0))
+    p = run(S(1), 255.0, inputs(1, 2), ceiling=ceiling, starts_cold=starts_cold)
+    assert p.target == expected, (p.reason, p.detail)
+
+
+def test_a_model_that_starts_cold_keeps_its_delay_off_peak():
+    # test_the_delay_returns_to_zero_off_peak's case: 1 x 4000us at 30 req/s; a model that starts cold keeps it
+    state = PlannerState()
+    for k in range(CONSOLIDATE_TICKS + 2):
+        p = run(S(1, 4000), 30.0, inputs(1), state, now=100.0 + k, starts_cold=True)
+        state = p.state
+        assert p.target is None and p.reason == "HoldPredictedOk", (p.reason, p.detail)
 
 
 def test_a_delay_measured_worse_than_predicted_is_not_chosen_again(monkeypatch):

@@ -67,6 +67,7 @@ def obs(**kw) -> Observation:
 PRESSURED = dict(arrival_rps=200.0, completion_rps=200.0, p99_ms=90.0, queue_ms_per_request=5.0,
                  busy_fraction=0.9, pending_mean=4.0)
 # 20% busy, p99 15 ms (< half the target), nothing waiting: light, and one instance fewer would do.
+COLD = {"instances": 2, "delay_us": 4000, "executions": 50, "ms": 24.0, "usual_ms": 8.0, "excess_executions": 100.0}
 LOW = dict(arrival_rps=20.0, completion_rps=20.0, p99_ms=15.0, queue_ms_per_request=0.1,
            busy_fraction=0.2, pending_mean=0.1)
 
@@ -244,6 +245,8 @@ CASES = [
     case("delay-decrease-near-target-at-min-delay-holds", o=obs(**{**PRESSURED, "p99_ms": 120.0}, avg_batch_size=6.0),
          current=S(8, 0), mbs=8, reason="HoldAtMax", target=S(8, 0)),
     case("delay-decrease-light-load", o=obs(**LOW), current=S(2, 4000), reason="DelayDecreaseLightLoad", target=S(2, 2000)),
+    case("delay-kept-at-light-load-by-a-model-that-starts-cold", o=obs(**LOW, cold_start=COLD), current=S(2, 4000),
+         reason="HoldLowLoadPending", target=S(2, 4000)),
     case("delay-halving-below-100us-goes-to-min", o=obs(**LOW), current=S(2, 150), reason="DelayDecreaseLightLoad",
          target=S(2, 0)),
     case("delay-halving-respects-min-delay", o=obs(**LOW), current=S(2, 300), lim=limits(min_delay_us=200),
