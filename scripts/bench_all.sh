@@ -16,6 +16,8 @@
 #                  host_heavy) on delay_matters' day, SLA 50 ms, 4 instances at most (not in the default set)
 #   timer_bursts   4-s bursts of 370 req/s every 10 s over a quiet 60 req/s, SLA 40 ms (not in the default set:
 #                  the load of the planner's HoldRecurringLoad)
+#   cold_start     the shift day and SLA on a model that starts cold (scripts/scenarios/repos/cold_start: 800 ms on
+#                  each instance's first execution, 50 ms on its first of each batch size; not in the default set)
 # SCENARIOS="shift bursty" runs a subset; MODEL_ANALYZER=FILE overrides docs/bench/model_analyzer_shift.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +30,7 @@ mkdir -p "$OUT"
 
 run() {   # run NAME SLA_MS REPOSITORY MODEL INSTANCES DELAYS MAX_INSTANCES [extra bench args...]
     local name=$1 sla=$2 repo=$3 model=$4 inst=$5 delays=$6 maxi=$7; shift 7
-    local dir="$OUT/$name" scenario="scripts/scenarios/$name.yaml"
+    local dir="$OUT/$name" scenario="scripts/scenarios/${TRAFFIC:-$name}.yaml"
     mkdir -p "$dir"
     echo "== $name: $scenario, SLA $sla ms, $model ($(date -u +%H:%M:%S))"
     if [ ! -f "$dir/sweep.json" ]; then
@@ -54,7 +56,8 @@ for s in $SCENARIOS; do
         heavy_day)     SWEEP_SECONDS=6 run heavy_day 200 scripts/scenarios/repos/heavy sim_heavy 1,2,3,4 0,20000 4 ;;
         host_heavy)    run host_heavy 50 scripts/scenarios/repos/host_heavy sim_host 1,2,3,4 0,4000,8000 4 ;;
         timer_bursts)  run timer_bursts 40 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
-        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts)" >&2; exit 2 ;;
+        cold_start)    TRAFFIC=shift run cold_start 40 scripts/scenarios/repos/cold_start sim_cold 1,2,4,6 0,2000 8 ;;
+        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts cold_start)" >&2; exit 2 ;;
     esac
 done
 summaries=()
