@@ -336,8 +336,8 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                                 and jitter.get("p99_x") else "")))
             cold = o.get("cold_start")
             if isinstance(cold, dict):
-                rows.append(("cold start", f"the first {cold.get('executions')} executions after a change to "
-                             f"{cold.get('instances')} x {cold.get('delay_us')}us took {_num(cold.get('ms'), 1)} ms each, "
+                rows.append(("cold start", f"the first {cold.get('executions')} executions after "
+                             f"{cold.get('instances')} x {cold.get('delay_us')}us went live took {_num(cold.get('ms'), 1)} ms each, "
                              f"against {_num(cold.get('usual_ms'), 1)} ms after them: warm the model up before it is "
                              "ready (in initialize, or Triton's model_warmup); until then every instance a reload "
                              "starts serves its first requests slowly, and the planner changes the delay (a full "

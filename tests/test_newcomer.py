@@ -200,7 +200,7 @@ def test_the_text_is_one_aligned_block_per_model():
                                                         "usual_ms": 8.0, "excess_executions": 100.0}))
     rows_cold = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", cold)[1:])
     assert rows_cold["cold start"] == (
-        "the first 50 executions after a change to 2 x 0us took 24.0 ms each, against 8.0 ms after them: warm the "
+        "the first 50 executions after 2 x 0us went live took 24.0 ms each, against 8.0 ms after them: warm the "
         "model up before it is ready (in initialize, or Triton's model_warmup); until then every instance a reload "
         "starts serves its first requests slowly, and the planner changes the delay (a full reload) only where it must")
     assert "cold start" not in rows
