@@ -479,7 +479,8 @@ class ServiceTimes:
         if executions <= 0 or usual <= 0:
             return None
         return {"instances": settings.instance_count, "delay_us": settings.max_queue_delay_us,
-                "executions": round(executions), "ms": round(took / executions, 3), "usual_ms": round(usual / executions, 3),
+                "executions": round(executions), "ms": round(took / executions, 3),
+                "usual_ms": round(usual / executions, 3),
                 "excess_executions": round((took - usual) / (usual / executions), 1)}
 
     def settle_readings(self) -> list[dict[str, Any]]:
@@ -492,9 +493,9 @@ class ServiceTimes:
         Each settle's left-out executions (the first `settle_executions` per instance after a change, restart or
         gap, and after a full reload those since the load: `_restart_settle`) are compared with their
         configuration's curve at their batch sizes: `excess_executions` is the time they took beyond the curve's,
-        in executions of their mean time. A settle reads cold where that excess is COLD_START_EXECUTIONS or more (the cold start cost at
-        least a one-instance settle's length) and the executions took COLD_START_RATIO x the curve's time or
-        more (so that a small mismatch of the curve over many executions is not read as one). The model starts
+        in executions of their mean time. A settle reads cold where that excess is COLD_START_EXECUTIONS or more
+        (the cold start cost at least a one-instance settle's length) and the executions took COLD_START_RATIO x
+        the curve's time or more (so that a small mismatch of the curve over many executions is not read as one). The model starts
         cold where COLD_START_SETTLES of the last COLD_START_KEPT settles read cold (one stall of the machine in
         a settle is not a cold start; an in-place scale-down starts no instance and reads warm, which is why not
         "most of them"); the latest such reading is returned. The excess, not the ratio alone, decides because an
