@@ -223,6 +223,26 @@ def test_contention_prior_from_utilisation_then_default():
     assert ServiceModel.build((), None).curve(1) is None
 
 
+def test_a_count_seen_at_one_size_takes_the_shape_of_the_nearest_count_with_a_slope():
+    # the docstring's example: 1 instance seen at b = 1 only (9.0 ms), 2 instances fitted at 8.0 + 1.5 b
+    one = fit_service({1: (40, 9.0)})
+    two = fit_service({1: (300, 9.5), 2: (100, 11.0)})
+    assert (two.alpha_ms, two.beta_ms) == (pytest.approx(8.0), pytest.approx(1.5))
+    m = ServiceModel.build(((S(1), one), (S(2), two)), device_util=None)
+    assert m.curve(1)(1) == pytest.approx(9.0) and m.curve(1)(2) == pytest.approx(9.0 / 9.5 * 11.0)
+    assert m.curve(2)(2) == pytest.approx(11.0)                        # a count with a slope keeps its own
+    assert m.gamma == pytest.approx(ServiceModel.build(((S(1), one), (S(2), two)), None).gamma)
+    assert m.gamma_source == "measured"                                # learned at b = 1, where both were seen
+    # the nearest count with a slope, the smaller on a tie; a size other than 1 is scaled at that size
+    four = fit_service({4: (50, 30.0)})
+    six = fit_service({1: (100, 4.0), 4: (100, 10.0)})                 # 2.0 + 2.0 b
+    m = ServiceModel.build(((S(2), two), (S(4), four), (S(6), six)), device_util=None)
+    assert m.curve(4)(4) == pytest.approx(30.0) and m.curve(4)(8) == pytest.approx(30.0 / 14.0 * 20.0)
+    # no count with a slope: the bound (a batch of b costs b / b0 of the size seen)
+    m = ServiceModel.build(((S(1), one), (S(4), four)), device_util=None)
+    assert m.curve(1)(2) == pytest.approx(18.0) and m.curve(4)(8) == pytest.approx(60.0)
+
+
 def test_faster_with_more_instances_is_noise_not_negative_contention():
     m = ServiceModel.build(fits(1, 2, scale={2: 0.9}), device_util=None)
     assert m.gamma == 0.0 and m.gamma_source == "measured"
@@ -586,15 +606,36 @@ def test_policy_holds_a_planned_scale_up_that_the_same_traffic_was_seen_to_meet(
     pytest.param(S(1, 2000), S(1, 0), "HoldWarmup", id="delay-only:-held"),
 ])
 def test_in_the_warm_up_a_planned_change_keeps_only_its_instances(monkeypatch, planned, expected, reason):
-    # 5 s after the start (window 20 s, min span 4 s): a scale-up goes through at the live delay; a new
-    # delay (a full reload, paying only at a load the partial window may not show) waits for the full window
+    # 5 s after the start (window 20 s, min span 4 s), under pressure: a scale-up goes through at the live delay;
+    # a new delay (a full reload, paying only at a load the partial window may not show) waits for the full window
     monkeypatch.setattr(planner, "choose", lambda *a, **k: planner.Plan(
         planned, planner.change_reason(S(1), planned, "Predicted"), "planned", usable=True, state=PlannerState()))
     lim = dataclasses.replace(LIMITS, p99_target_ms=25.0, delay_cooldown_s=0.0)
-    d, _ = decide(obs(300.0, since=NOW - 5.0, span_s=5.0), S(1), policy.PolicyState(started_at=NOW - 5.0), lim=lim)
+    queued = dict(since=NOW - 5.0, span_s=5.0, queue_ms_per_request=6.0, p99_ms=24.0)   # queue 0.75 x compute
+    d, _ = decide(obs(300.0, **queued), S(1), policy.PolicyState(started_at=NOW - 5.0), lim=lim)
     assert (d.reason, d.target) == (reason, expected), d
     d, _ = decide(obs(300.0), S(1), policy.PolicyState(started_at=NOW - 20.0), lim=lim)    # after the window
     assert d.target == planned, d
+
+
+def test_in_the_warm_up_the_model_alone_does_not_scale_up(monkeypatch):
+    # the long-run test's start: 4 s of 20 req/s at one instance, p99 16 ms of a 25-ms target, no queue; the plan
+    # (on a curve without a slope yet) asks for 2 instances: held until the window is full or the load presses
+    monkeypatch.setattr(planner, "choose", lambda *a, **k: planner.Plan(
+        S(2), "ScaleUpPredicted", "planned", usable=True, state=PlannerState()))
+    lim = dataclasses.replace(LIMITS, p99_target_ms=25.0)
+    calm = dict(since=NOW - 4.0, span_s=4.0, queue_ms_per_request=0.9, compute_ms_per_request=8.9, p99_ms=16.4,
+                busy_fraction=0.17, pending_mean=0.0)
+    d, _ = decide(obs(20.0, **calm), S(1), policy.PolicyState(started_at=NOW - 4.0), lim=lim)
+    assert (d.reason, d.target) == ("HoldWarmup", S(1)) and "under pressure" in d.detail, d
+    # the same queue with a p99 near the target is pressure; the warm-up of a model that is not loaded is not
+    near = {**calm, "queue_ms_per_request": 3.0, "p99_ms": 21.0}
+    d, _ = decide(obs(20.0, **near), S(1), policy.PolicyState(started_at=NOW - 4.0), lim=lim)
+    assert (d.reason, d.target) == ("ScaleUpPredicted", S(2)), d
+    d, _ = decide(obs(20.0, **near, warming_up=True), S(1), policy.PolicyState(started_at=NOW - 4.0), lim=lim)
+    assert d.reason == "HoldWarmup", d
+    d, _ = decide(obs(20.0, **calm), S(1), policy.PolicyState(started_at=NOW - 20.0), lim=lim)   # a full window
+    assert (d.reason, d.target) == ("ScaleUpPredicted", S(2)), d
 
 
 def test_planner_off_is_the_reactive_policy():
