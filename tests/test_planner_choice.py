@@ -647,14 +647,21 @@ def test_planner_off_is_the_reactive_policy():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rate=st.floats(0.0, 3000.0), n=st.integers(1, 8), d=st.sampled_from([0, 500, 2000, 10_000]),
        max_i=st.integers(1, 8), budget=st.one_of(st.none(), st.integers(100, 2000)),
-       used=st.integers(0, 1500), target=st.floats(5.0, 200.0), util=st.one_of(st.none(), st.floats(0.0, 1.0)))
-def test_the_choice_never_leaves_the_bounds_or_the_budget(rate, n, d, max_i, budget, used, target, util):
+       used=st.integers(0, 1500), target=st.floats(5.0, 200.0), util=st.one_of(st.none(), st.floats(0.0, 1.0)),
+       cold=st.booleans(), one_size=st.booleans())
+def test_the_choice_never_leaves_the_bounds_or_the_budget(rate, n, d, max_i, budget, used, target, util, cold,
+                                                           one_size):
     lim = ModelLimits(p99_target_ms=target, max_instances=max_i, memory_budget_mb=budget)
     gpus = (GpuObservation(0, None if util is None else util * 100, used * MiB, 4096 * MiB),)
     st_ = policy.PolicyState(started_at=0.0, instance_memory_bytes=64 * MiB)
-    o = obs(rate, gpus=gpus, exec_rps=max(rate / 1.5, 0.0))
+    # a model that starts cold (the planner then keeps its delay where it can); one count seen at one size only
+    o = obs(rate, gpus=gpus, exec_rps=max(rate / 1.5, 0.0),
+            cold_start={"excess_executions": 80.0, "ratio": 3.0} if cold else None)
     cur = S(n, d)
-    decision, _ = decide(o, cur, st_, lim, inputs(1, 2, 4))
+    inp = inputs(1, 2, 4)
+    if one_size:
+        inp = dataclasses.replace(inp, fits=((S(1), fit_service({1: (40, 9.0)})),) + inp.fits[1:])
+    decision, _ = decide(o, cur, st_, lim, inp)
     t = decision.target
     ceiling, _ = policy.instance_ceiling(cur, lim, st_, o, NOW)
     assert lim.min_delay_us <= t.max_queue_delay_us <= lim.max_delay_us or t == cur
