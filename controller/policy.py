@@ -700,7 +700,7 @@ def warm_up(decision: Decision, after: PolicyState, current: Settings, before: P
     settling gate), so the first scale-up does too; a scale-down or a delay change (a full reload, and a delay
     that only pays at a load the partial window may not show) still waits for the full window.
     The scale-up needs the pressure seen (`pressured`, not the model's warm-up: `warm_up_not_load`), also when
-    the planner asks for it: before a window, its prediction has not been checked against the observed p99
+    the planner asks for it (a count under `min_instances` goes up at once): before a window, its prediction has not been checked against the observed p99
     (no ratio yet) and rests on a few seconds of executions. Why: in the long-run test (serve at 20 req/s,
     target 25 ms) the planner scaled 1 -> 2 at t=4 s, twice in three runs, on a curve of ~40 executions all
     of one batch size (bounded without a slope: 1 instance predicted at p99 24 ms, observed 16 ms).
@@ -710,8 +710,8 @@ def warm_up(decision: Decision, after: PolicyState, current: Settings, before: P
     its p99 well under the target, a planned scale-up waits until t=20 too."""
     if now - before.started_at >= loop.window_s:
         return decision, after
-    if decision.target.instance_count > current.instance_count and pressured(obs, limits) \
-            and not warm_up_not_load(obs):
+    if decision.target.instance_count > current.instance_count and (
+            decision.reason == "ScaleUpToMin" or (pressured(obs, limits) and not warm_up_not_load(obs))):
         # the instances now, at the live delay (an in-place change); a new delay waits for the full window
         if decision.target.max_queue_delay_us == current.max_queue_delay_us:
             return decision, after
