@@ -386,11 +386,11 @@ class ServiceModel:
     more, scaled to its own mean at b0: the same proportional scaling between counts as above, applied to
     the shape where the level is measured. Why: a configuration seen only at a low load runs batches of 1;
     bounded, its batches of 2 under a queue cost twice one, and at 22 req/s one sim_accel instance (8.9 ms)
-    was predicted at p99 24 ms where 16 ms was observed (17 predicted with a slope). A controller that had scaled up on such a curve (the
-    long-run test, twice in three runs) never found one instance fit for the low phase again: that curve is
-    only refreshed where it runs. Example: 1 instance seen at b = 1 only, 9.0 ms; 2 instances fitted at
-    s(b) = 8.0 + 1.5 b: 1 instance is taken as 9.0 / 9.5 x (8.0 + 1.5 b), s(2) = 10.4 ms where the bound said
-    18.0. Without a count measured at two sizes the bound stays.
+    was predicted at p99 24 ms where 16 ms was observed (17 predicted with a slope). A controller that had
+    scaled up on such a curve (the long-run test, twice in three runs) never found one instance fit for the
+    low phase again: that curve is only refreshed where it runs. Example: 1 instance seen at b = 1 only,
+    9.0 ms; 2 instances fitted at s(b) = 8.0 + 1.5 b: 1 instance is taken as 9.0 / 9.5 x (8.0 + 1.5 b),
+    s(2) = 10.4 ms where the bound said 18.0. Without a count measured at two sizes the bound stays.
     """
 
     fits: dict[int, "ServiceFit"]

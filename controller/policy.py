@@ -690,9 +690,9 @@ def decide(obs: Observation, current: Settings, state: PolicyState, limits: Mode
 
 def warm_up(decision: Decision, after: PolicyState, current: Settings, before: PolicyState, loop: LoopConfig,
             now: float, obs: Observation, limits: ModelLimits) -> tuple[Decision, PolicyState]:
-    """In the first full window after a (re)start only a scale-up under pressure goes through (the gates, before, still
-    hold for no data, failures or settling); anything else is held (`HoldWarmup`) with the state `before` the
-    stages, so no low-load streak, consolidation count or ratio starts on a partial window.
+    """In the first full window after a (re)start only a scale-up under pressure goes through (the gates,
+    before, still hold for no data, failures or settling); anything else is held (`HoldWarmup`) with the state
+    `before` the stages, so no low-load streak, consolidation count or ratio starts on a partial window.
 
     Why: a controller started beside a server that is already overloaded waited a whole window (20 s by
     default) before its first scale-up: in two_models_tight the hot model ran 10 s at one instance at 300
@@ -700,18 +700,22 @@ def warm_up(decision: Decision, after: PolicyState, current: Settings, before: P
     settling gate), so the first scale-up does too; a scale-down or a delay change (a full reload, and a delay
     that only pays at a load the partial window may not show) still waits for the full window.
     The scale-up needs the pressure seen (`pressured`, not the model's warm-up: `warm_up_not_load`), also when
-    the planner asks for it (a count under `min_instances` goes up at once): before a window, its prediction has not been checked against the observed p99
-    (no ratio yet) and rests on a few seconds of executions. Why: in the long-run test (serve at 20 req/s,
-    target 25 ms) the planner scaled 1 -> 2 at t=4 s, twice in three runs, on a curve of ~40 executions all
-    of one batch size (bounded without a slope: 1 instance predicted at p99 24 ms, observed 16 ms).
+    the planner asks for it (a count under `min_instances` goes up at once): before a window, its prediction
+    has not been checked against the observed p99 (no ratio yet) and rests on a few seconds of executions.
+    Why: in the long-run test (serve at 20 req/s, target 25 ms) the planner scaled 1 -> 2 at t=4 s, twice in
+    three runs, on a curve of ~40 executions all of one batch size (bounded without a slope: 1 instance
+    predicted at p99 24 ms, observed 16 ms).
     Example (window 20 s, min span 4 s): started at t=0 under 300 req/s at 1 instance: the decisions at t=1-3
     hold (`HoldWarmup`, too little data), at t=4 the pressure seen scales up. At 20 req/s with 4 instances
     the scale-down waits until t=20, then `scale_down_delay_s` more, as before; at 20 req/s at 1 instance,
     its p99 well under the target, a planned scale-up waits until t=20 too."""
     if now - before.started_at >= loop.window_s:
         return decision, after
+    # why the planner's only: the reactive rules add an instance only under that pressure already
+    # (`decide_instances`), or to reach `min_instances`, which needs none
+    planned = decision.mode == "model"
     if decision.target.instance_count > current.instance_count and (
-            decision.reason == "ScaleUpToMin" or (pressured(obs, limits) and not warm_up_not_load(obs))):
+            not planned or (pressured(obs, limits) and not warm_up_not_load(obs))):
         # the instances now, at the live delay (an in-place change); a new delay waits for the full window
         if decision.target.max_queue_delay_us == current.max_queue_delay_us:
             return decision, after

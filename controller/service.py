@@ -387,11 +387,7 @@ class ServiceTimes:
         if self._settle_base is not None:
             if _executions(old_stats) - self._settle_base < self.settle_executions * settings.instance_count:
                 self.settling += 1
-                for size, (executions, ns) in deltas.items():
-                    if size in self._left_out or len(self._left_out) < self.max_sizes:
-                        kept = self._left_out.setdefault(size, [0.0, 0.0])
-                        kept[0] += executions
-                        kept[1] += ns
+                self._add_sizes(self._left_out, deltas)
                 return
             self._settle_base = None
             if self._left_out:
@@ -415,9 +411,7 @@ class ServiceTimes:
         self._left_out = {}
         if last is None or not 0 <= now - last[0] <= SEED_SPAN_S or not counters_restarted(last[1], stats):
             return
-        for size, (executions, ns) in batch_deltas(StatsCounters(), stats).items():
-            if len(self._left_out) < self.max_sizes:
-                self._left_out[size] = [float(executions), float(ns)]
+        self._add_sizes(self._left_out, batch_deltas(StatsCounters(), stats))
 
     def _accumulate(self, settings: Settings, deltas: dict[int, tuple[int, int]], now: float) -> None:
         sums = self._sums.pop(settings, None)
@@ -430,10 +424,15 @@ class ServiceTimes:
             self._decay(sums, now - self._fed_at[settings])
         self._sums[settings] = sums           # why: re-inserted last, so the first key is the least recently fed
         self._fed_at[settings] = now
+        self._add_sizes(sums, deltas)
+
+    def _add_sizes(self, sums: dict[int, list[float]], deltas: Mapping[int, tuple[float, float]]) -> None:
+        """Add each size's (executions, ns) to `sums` (size -> [executions, ns]), a new size only while fewer
+        than `max_sizes` are kept (why: garbage stats with thousands of sizes must not grow memory)."""
         for size, (executions, ns) in deltas.items():
             if size not in sums:
                 if len(sums) >= self.max_sizes:
-                    continue                  # why: garbage stats with thousands of sizes must not grow memory
+                    continue
                 sums[size] = [0.0, 0.0]
             sums[size][0] += executions
             sums[size][1] += ns
@@ -495,11 +494,12 @@ class ServiceTimes:
         configuration's curve at their batch sizes: `excess_executions` is the time they took beyond the curve's,
         in executions of their mean time. A settle reads cold where that excess is COLD_START_EXECUTIONS or more
         (the cold start cost at least a one-instance settle's length) and the executions took COLD_START_RATIO x
-        the curve's time or more (so that a small mismatch of the curve over many executions is not read as one). The model starts
-        cold where COLD_START_SETTLES of the last COLD_START_KEPT settles read cold (one stall of the machine in
-        a settle is not a cold start; an in-place scale-down starts no instance and reads warm, which is why not
-        "most of them"); the latest such reading is returned. The excess, not the ratio alone, decides because an
-        in-place scale-up's warm instances dilute the new one's cold executions. Measured on a real tritonserver:
+        the curve's time or more (so that a small mismatch of the curve over many executions is not read as
+        one). The model starts cold where COLD_START_SETTLES of the last COLD_START_KEPT settles read cold (one
+        stall of the machine in a settle is not a cold start; an in-place scale-down starts no instance and reads
+        warm, which is why not "most of them"); the latest such reading is returned. The excess, not the ratio
+        alone, decides because an in-place scale-up's warm instances dilute the new one's cold executions.
+        Measured on a real tritonserver:
         sim_accel with an 800-ms first execution and 50 ms more per new batch size read about 100 executions'
         worth after its load and after an in-place scale-up, plain sim_accel about 7 (the Python backend's own
         first calls). Example: 57 left out that took 1,327 ms where the curve gives 8.1 ms each (462 ms): 865 ms
