@@ -386,7 +386,7 @@ def pressured(obs: Observation, limits: ModelLimits) -> bool:
 
 def warm_up_not_load(obs: Observation) -> bool:
     """The pressure is the model's warm-up, not load: the span holds its first executions since it loaded
-    (`Observation.warming_up`), yet its instances were mostly idle and nothing stood waiting.
+    (`Observation.warming_up`), yet its instances were mostly idle (busy < BUSY_HIGH).
 
     Why: a fresh model's first executions are slow (lazy initialisation in the backend; on a GPU the CUDA
     context, cuDNN's autotuning), and requests that arrive meanwhile wait behind them, so a trickle of load reads
@@ -394,10 +394,16 @@ def warm_up_not_load(obs: Observation) -> bool:
     requests, p99 90.2 ms of a 100-ms target, queue 5.1 ms a request, the instance 3% busy, nothing pending:
     `ScaleUpQueueGrowing` added a second instance that `ScaleDownIdle` removed a minute later, two reloads for
     nothing. The planner already records nothing from such a span; the reactive rules now hold too. A model
-    that is loaded as it warms up (busy >= BUSY_HIGH, or a request or more waiting on average) still scales up:
-    a controller started beside an overloaded server must not wait for the warm-up to pass.
-    Example: warming up, busy 0.9 or pending 4: pressure; busy 0.03, pending 0: the warm-up."""
-    return obs.warming_up and obs.busy_fraction < BUSY_HIGH and obs.pending_mean < 1.0
+    that is loaded as it warms up (busy >= BUSY_HIGH: its instances ran back to back) still scales up: a
+    controller started beside an overloaded server must not wait for the warm-up to pass.
+    Why the requests waiting do not count as load: the backlog of a slow first execution waits too. Seen
+    (cold_start r4, sim_cold's 800-ms first execution, 22 req/s): at t=4 s pending 2.4 on average, p99 985 ms,
+    yet the instance 39% busy (the cold execution included) and every request that arrived done
+    (completions = arrivals): a 2nd instance, itself cold, at 3.3 s, taken back at 14 s. A backlog that load
+    keeps up runs the instances back to back, so busy reads it (busy comes from the executions' own times),
+    as does a batching delay's queue, which waits by design.
+    Example: warming up, busy 0.9: pressure; busy 0.39 with 2.4 requests waiting, or busy 0.03: the warm-up."""
+    return obs.warming_up and obs.busy_fraction < BUSY_HIGH
 
 
 def review_step(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float) -> tuple[PolicyState, Decision | None]:
