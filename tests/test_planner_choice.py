@@ -636,6 +636,13 @@ def test_in_the_warm_up_the_model_alone_does_not_scale_up(monkeypatch):
     assert d.reason == "HoldWarmup", d
     d, _ = decide(obs(20.0, **calm), S(1), policy.PolicyState(started_at=NOW - 20.0), lim=lim)   # a full window
     assert (d.reason, d.target) == ("ScaleUpPredicted", S(2)), d
+    # past the window, a span that still holds the model's first executions (a slow model at a low rate: no ratio
+    # recorded yet) holds the plan's scale-up unless the load presses
+    d, _ = decide(obs(20.0, **calm, warming_up=True), S(1), policy.PolicyState(started_at=NOW - 20.0), lim=lim)
+    assert (d.reason, d.target) == ("HoldWarmup", S(1)) and "first executions" in d.detail, d
+    d, _ = decide(obs(20.0, **{**near, "busy_fraction": 0.9}, warming_up=True), S(1),
+                  policy.PolicyState(started_at=NOW - 20.0), lim=lim)
+    assert (d.reason, d.target) == ("ScaleUpPredicted", S(2)), d
 
 
 def test_planner_off_is_the_reactive_policy():
