@@ -720,27 +720,29 @@ def warm_up(decision: Decision, after: PolicyState, current: Settings, before: P
     prediction no ratio has checked yet."""
     # why the planner's only: the reactive rules add an instance only under that pressure already
     # (`decide_instances`), or to reach `min_instances`, which needs none
-    planned = decision.mode == "model"
+    in_window = now - before.started_at < loop.window_s
+    window_why = f"{now - before.started_at:.1f}/{loop.window_s:g} s since start: only a scale-up under pressure " \
+                 f"before a full window"
     up = decision.target.instance_count > current.instance_count
-    pressed = pressured(obs, limits) and not warm_up_not_load(obs)
-    if now - before.started_at >= loop.window_s:
-        if planned and up and obs.warming_up and not pressed:
-            # why: a span that holds the model's first executions records no observed/predicted ratio, so past the
-            # window its prediction is still unchecked: heavy_day r37 (57 ms a request, 5 req/s) scaled 1 -> 2 at
-            # 13 s on one instance predicted at 196 ms (a curve of one batch size, bounded without a slope) where
-            # 43 traced requests read 110 ms of a 200-ms target; back to 1 at 31 s
-            return _hold(current, "HoldWarmup", f"{decision.detail}; held: the span holds the model's first "
-                         f"executions (no observed/predicted ratio yet) and the load does not press"), before
+    # a planned scale-up whose prediction no ratio has checked yet (the first window; past it, a span that holds
+    # the model's first executions, which records none) needs the pressure seen. Why past the window: heavy_day
+    # r37 (57 ms a request, 5 req/s) scaled 1 -> 2 at 13 s on one instance predicted at 196 ms (a curve of one
+    # batch size, bounded without a slope) where 43 traced requests read 110 ms of a 200-ms target; back at 31 s
+    if (decision.mode == "model" and up and (in_window or obs.warming_up)
+            and not (pressured(obs, limits) and not warm_up_not_load(obs))):
+        why = (window_why if in_window else f"{decision.detail}; held: the span holds the model's first executions "
+               f"(no observed/predicted ratio yet) and the load does not press")
+        return _hold(current, "HoldWarmup", why), before
+    if not in_window:
         return decision, after
-    if up and (not planned or pressed):
+    if up:
         # the instances now, at the live delay (an in-place change); a new delay waits for the full window
         if decision.target.max_queue_delay_us == current.max_queue_delay_us:
             return decision, after
         return dataclasses.replace(decision, target=dataclasses.replace(
             decision.target, max_queue_delay_us=current.max_queue_delay_us),
             detail=f"{decision.detail}; at the live delay until a full window since start"), after
-    return _hold(current, "HoldWarmup", f"{now - before.started_at:.1f}/{loop.window_s:g} s since start: "
-                 f"only a scale-up under pressure before a full window"), before
+    return _hold(current, "HoldWarmup", window_why), before
 
 
 def _stages(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float,
