@@ -298,7 +298,23 @@ def cmd_serve(args) -> int:
     folder = _write_run_state(state, None)
     controller = endpoint = None
     try:
-        server.start()
+        premarked = {}
+        if not args.no_controller:
+            # why: started before the server, the controller's owner mark goes into each model's first load, so
+            # that no claim (a full reload of every instance) follows under the load that begins after "ready"
+            server_cfg = dataclasses.replace(
+                cfg.server, http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
+                auth_header=ADMIN_HEADER if restricted else cfg.server.auth_header)
+            cfg = dataclasses.replace(cfg, server=server_cfg)
+            if not cfg.models:
+                cfg = cfg.with_models(server.model_names())
+            if not cfg.loop.decision_log and folder is not None:
+                # why: a newcomer's first question is "what did it do?"; the log outlives the serve
+                cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
+                    cfg.loop, decision_log=str(runstate.serve_dir(os.getpid(), folder) / "decisions.jsonl")))
+            controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0)
+            premarked = controller.first_load_configs(server.options.repository, server.model_names())
+        server.start(premarked)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: HTTP {server.http_url}, gRPC {server.grpc_url}, "
               f"metrics {server.metrics_url}", flush=True)
         if restricted:
@@ -320,17 +336,6 @@ def cmd_serve(args) -> int:
                 if server.process.poll() is not None:
                     raise ServerError(_server_died(server))
             return 0
-        server_cfg = dataclasses.replace(
-            cfg.server, http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
-            auth_header=ADMIN_HEADER if restricted else cfg.server.auth_header)
-        cfg = dataclasses.replace(cfg, server=server_cfg)
-        if not cfg.models:
-            cfg = cfg.with_models(models or _loaded_models(server))
-        if not cfg.loop.decision_log and folder is not None:
-            # why: a newcomer's first question is "what did it do?"; the log outlives the serve
-            cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
-                cfg.loop, decision_log=str(runstate.serve_dir(os.getpid(), folder) / "decisions.jsonl")))
-        controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0)
         state.update(phase="running", decision_log=cfg.loop.decision_log and str(Path(cfg.loop.decision_log).resolve()),
                      controller_port=endpoint.port, models=list(cfg.models))
         _write_run_state(state, folder)
@@ -377,11 +382,6 @@ def _watch_server(server: TritonServer, stop: threading.Event) -> threading.Even
                 stop.set()
     threading.Thread(target=watch, daemon=True).start()
     return died
-
-
-def _loaded_models(server: TritonServer) -> list[str]:
-    from .server import repository_models
-    return repository_models(server.options.repository)
 
 
 def cmd_run(args) -> int:

@@ -28,6 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from . import capacity as capacity_mod
@@ -197,6 +198,31 @@ class Controller:
 
     def _mark(self) -> OwnerMark | None:
         return self.me if self.config.loop.owner_mark else None
+
+    def first_load_configs(self, repository, names) -> dict[str, dict]:
+        """For a server this controller's caller is about to start (`serve`): the load override of each managed model
+        among `names` that carries this controller's owner mark (ownership.marked_file_config), so that none needs a
+        claim (a full reload) once the load has begun. Ensembles and decoupled models are never claimed, so not
+        marked, but their steps are (the loop manages them too); none at all where the loop would not claim (no mark,
+        a dry run, no /status to put in the mark)."""
+        if not self.config.loop.owner_mark or self.config.loop.dry_run or self.me.status_url is None:
+            return {}
+        configs: dict[str, dict] = {}
+        todo, seen = [n for n in names if n in self.config.models], set()
+        while todo:
+            name = todo.pop(0)
+            if name in seen or name not in names:
+                continue
+            seen.add(name)
+            config, why = ownership.marked_file_config(Path(repository) / name, self.me)
+            kind = None if config is None else modelkind.classify(config)
+            if kind is None:
+                log.info("%s: loads from its file unmarked (%s); the controller claims it later", name, why)
+            elif kind.ensemble:
+                todo.extend(kind.steps)
+            elif kind.managed:
+                configs[name] = config
+        return configs
 
     def _open_gpu(self, mode: str) -> GpuSource:
         if mode in ("auto", "nvml"):

@@ -8,7 +8,8 @@ Every config a controller loads carries a ModelConfig parameter
 The mark never changes during a controller's life (no timestamp in it): a config change that leaves the
 parameters map as it was stays an in-place instance update; only the first change a controller applies
 to a model that carries no mark, or another controller's, is a full reload (Triton 2.51 reloads the whole
-model when anything but `instance_group` differs).
+model when anything but `instance_group` differs). `serve` avoids even that one: the first load of each model
+carries the mark (`marked_file_config`).
 
 Liveness is not in the config (refreshing it would need a reload): it is the owner's own `/status`.
 A controller that finds another owner's mark asks that URL (at most every `probe_every_s`):
@@ -29,6 +30,7 @@ import socket
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from . import runstate
@@ -101,6 +103,29 @@ def with_mark(config: dict, mark: OwnerMark) -> dict:
     """`config` (modified in place and returned) carrying `mark`."""
     config.setdefault("parameters", {})[OWNER_KEY] = {"string_value": mark.encode()}
     return config
+
+
+def marked_file_config(model_dir: Path, mark: OwnerMark) -> tuple[dict | None, str]:
+    """The model's `config.pbtxt` as a load override carrying `mark`, for a model's first load (`serve`), with ""; or
+    None and why where that cannot be had. Loaded with it, the model is marked from the start and no claim (a full
+    reload of every instance, cold again, under the load that has begun meanwhile) follows.
+
+    The override is the file as it stands, parsed as this client's ModelConfig; the server treats an override as
+    the whole config and normalises it as it does the file (the live configs are compared in
+    tests/test_ownership.py). Where the file does not parse here (a field of a newer server, say) the model loads
+    from its file and the controller claims it later, as `run` does beside a server it did not start.
+    Example: sim_accel's file with `parameters { key: "triton_autotune_owner" ... }` added, the name from the
+    folder where the file has none."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+    path = Path(model_dir) / "config.pbtxt"
+    try:
+        parsed = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    except (OSError, UnicodeDecodeError, text_format.ParseError) as e:
+        return None, f"{path} not read here ({' '.join(str(e).split())[:160]})"
+    config = json_format.MessageToDict(parsed, preserving_proto_field_name=True)
+    config.setdefault("name", Path(model_dir).name)
+    return with_mark(config, mark), ""
 
 
 def probe_status(url: str, timeout_s: float = 1.0) -> dict | None:

@@ -31,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Mapping
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = PACKAGE_ROOT / "model_repository"
@@ -284,7 +285,8 @@ class TritonServer:
         env.setdefault("SIM_ACCEL_DIR", str(self._workdir / "sim_device"))
         return env
 
-    def start(self) -> "TritonServer":
+    def model_names(self) -> list[str]:
+        """The models `start` loads: `models` of the options, else every model of the repository (checked there)."""
         o = self.options
         repo = Path(o.repository)
         if not repo.is_dir():
@@ -293,6 +295,14 @@ class TritonServer:
         missing = [m for m in names if not (repo / m / "config.pbtxt").exists()]
         if missing:
             raise ServerError(f"model(s) {', '.join(missing)} not found in {repo} (no config.pbtxt)")
+        return names
+
+    def start(self, configs: Mapping[str, dict] | None = None) -> "TritonServer":
+        """Start the server and load its models; `configs`: a load override for some of them (the first load then
+        carries it, e.g. the controller's owner mark: ownership.marked_file_config)."""
+        o = self.options
+        repo = Path(o.repository)
+        names = self.model_names()
         for label, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
             if _port_in_use(o.host, port):
                 raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower().replace('grpc', 'grpc')}-port")
@@ -303,15 +313,22 @@ class TritonServer:
         if self.trace_path is not None:
             self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(o.log_path) if o.log_path else self._workdir / "tritonserver.log"
-        log = open(self.log_path, "ab")
+        log_file = open(self.log_path, "ab")
         self.process = spawn_dying_with_parent(
-            self.command(binary, backend_dir), stdout=log, stderr=subprocess.STDOUT,
+            self.command(binary, backend_dir), stdout=log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True,
         )
-        log.close()
+        log_file.close()
         try:
             self._wait_live(o.startup_timeout_s)
             for name in names:
+                config = (configs or {}).get(name)
+                if config is not None:
+                    try:
+                        self.load_model(name, config)
+                        continue
+                    except ServerError as e:
+                        log.warning("%s: its load with an override failed (%s); loading it from its file", name, e)
                 self.load_model(name)
         except BaseException:
             self.stop()
@@ -347,8 +364,9 @@ class TritonServer:
             time.sleep(0.2)
         raise ServerError(f"tritonserver was not live after {timeout_s:.0f} s: {self.log_tail()}")
 
-    def load_model(self, name: str) -> None:
-        status, body = self._http("POST", f"/v2/repository/models/{name}/load")
+    def load_model(self, name: str, config: dict | None = None) -> None:
+        body = None if config is None else {"parameters": {"config": json.dumps(config)}}
+        status, body = self._http("POST", f"/v2/repository/models/{name}/load", body)
         if status != 200:
             raise ServerError(f"model '{name}' failed to load: {body.get('error', body)}")
 

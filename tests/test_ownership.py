@@ -13,13 +13,13 @@ import yaml
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.loop import Controller
 from controller.server import free_port
 from controller.ownership import (FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, OWNER_KEY, TAKE_OVER, UNMARKED, OwnerMark,
-                                  OwnershipGuard, mark_of, probe_status)
+                                  OwnershipGuard, mark_of, marked_file_config, probe_status)
 from controller.status import format_model
 from controller.types import Settings
 
@@ -244,3 +244,70 @@ def test_a_controller_without_a_status_endpoint_does_not_mark(sim_server, tmp_pa
         assert mark_of(control.config(MODEL)) is None
     finally:
         c.close()
+
+
+# ---- serve's first load, marked (no claim to follow) ----------------------------------------------
+
+def _without_mark(cfg: dict) -> dict:
+    cfg = json.loads(json.dumps(cfg))
+    params = cfg.get("parameters") or {}
+    params.pop(OWNER_KEY, None)
+    if not params:
+        cfg.pop("parameters", None)
+    return cfg
+
+
+@pytest.mark.parametrize("repository", ["model_repository", "scripts/scenarios/repos/mixed"])
+def test_a_model_loaded_with_its_marked_file_config_runs_the_config_its_file_gives(repository, tmp_path):
+    """What `serve` loads first (ownership.marked_file_config) against what the file alone gives, model by model:
+    the live configs differ only by the mark (the server normalises the override as it does the file: the kind,
+    an ensemble's steps, a BLS model's and a Python model's auto-completed fields)."""
+    repo = ROOT / repository
+    names = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
+    server = start_server(names, repository=repo)
+    try:
+        control = TritonControl(server.grpc_url, server.http_url, "http")
+        for name in names:
+            plain = control.config(name)
+            marked, why = marked_file_config(repo / name, ME)
+            assert marked is not None, why
+            server.load_model(name, marked)
+            live = control.config(name)
+            assert mark_of(live) == ME, name
+            assert _without_mark(live) == _without_mark(plain), name
+    finally:
+        server.stop()
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.pbtxt").write_text('name: "odd"\nbackend: "python"\nnot_a_field: 3\n')
+    config, why = marked_file_config(tmp_path / "odd", ME)
+    assert config is None and "not_a_field" in why       # a field this client's ModelConfig lacks: load unmarked
+    (tmp_path / "unnamed").mkdir()
+    (tmp_path / "unnamed" / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 4\n')
+    config, _ = marked_file_config(tmp_path / "unnamed", ME)
+    assert config["name"] == "unnamed" and config["max_batch_size"] == 4 and mark_of(config) == ME
+
+
+def test_serve_marks_the_managed_models_and_an_ensembles_steps_not_the_ensemble(tmp_path):
+    """Controller.first_load_configs over the mixed repository: the models it manages (the config's, and the steps
+    of an ensemble among them), not the ensemble (never reloaded), not a model it does not manage; none at all
+    where the loop would not claim."""
+    repo = ROOT / "scripts" / "scenarios" / "repos" / "mixed"
+    names = ["bls", "ens", "ens_step", "plain"]
+
+    def configs(**loop):
+        cfg = ControllerConfig(server=ServerConfig(http_url="127.0.0.1:1", grpc_url="127.0.0.1:2",
+                                                   metrics_url="http://127.0.0.1:3/metrics"),
+                               loop=LoopConfig(gpu="simulated", tracing=False, **loop),
+                               models={"ens": ModelLimits(p99_target_ms=25.0), "plain": ModelLimits(p99_target_ms=30.0)})
+        c = Controller(cfg)
+        try:
+            c.set_status_url("http://127.0.0.1:4/status")
+            return c.first_load_configs(repo, names), c.me
+        finally:
+            c.close()
+
+    got, me = configs()
+    assert sorted(got) == ["ens_step", "plain"]
+    assert all(mark_of(c) == me and c["name"] == n for n, c in got.items())
+    assert "dynamic_batching" not in got["plain"] and got["ens_step"]["dynamic_batching"] == {}   # as in the files
+    assert configs(dry_run=True)[0] == {} and configs(owner_mark=False)[0] == {}

@@ -21,6 +21,7 @@ import tritonclient.http as http
 import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on sys.path)
 from conftest import ROOT, process_alive, start_server
 from controller.actuation import Actuator, TritonControl
+from controller.ownership import mark_of
 from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, remove_shm_regions,
                                spawn_dying_with_parent)
 from controller.types import Settings
@@ -249,6 +250,8 @@ def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
         client = http.InferenceServerClient(f"127.0.0.1:{http_port}")
         assert _infer(client, np.zeros((1, 3, 32, 32), np.float32)).shape == (1, 10)
         assert time.monotonic() - t0 < 30, "serve must answer inference within 30 s"
+        mark = mark_of(client.get_model_config("resnet_tiny"))
+        assert mark is not None and mark.pid == proc.pid, "loaded with serve's owner mark: no claim (a full reload) to follow"
         server_pids = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout.split()
         assert server_pids
         stub_pids = _children_of(server_pids)
