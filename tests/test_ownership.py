@@ -257,12 +257,36 @@ def _without_mark(cfg: dict) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("repository", ["model_repository", "scripts/scenarios/repos/mixed"])
+AUTO_COMPLETED = """import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.set_max_batch_size(8)
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4]})
+        config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]})
+        config.set_dynamic_batching()
+        return config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+                for r in requests]
+"""
+
+
+@pytest.mark.parametrize("repository", ["model_repository", "scripts/scenarios/repos/mixed", "auto-completed"])
 def test_a_model_loaded_with_its_marked_file_config_runs_the_config_its_file_gives(repository, tmp_path):
     """What `serve` loads first (ownership.marked_file_config) against what the file alone gives, model by model:
     the live configs differ only by the mark (the server normalises the override as it does the file: the kind,
-    an ensemble's steps, a BLS model's and a Python model's auto-completed fields)."""
+    an ensemble's steps, a BLS model's and a Python model's defaults; and a model whose two-line file leaves its
+    inputs, outputs, batch size and batcher to its model.py's `auto_complete_config`)."""
     repo = ROOT / repository
+    if repository == "auto-completed":
+        repo = tmp_path / "repo"
+        (repo / "ac" / "1").mkdir(parents=True)
+        (repo / "ac" / "config.pbtxt").write_text('backend: "python"\n')
+        (repo / "ac" / "1" / "model.py").write_text(AUTO_COMPLETED)
     names = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
     server = start_server(names, repository=repo)
     try:
@@ -275,6 +299,7 @@ def test_a_model_loaded_with_its_marked_file_config_runs_the_config_its_file_giv
             live = control.config(name)
             assert mark_of(live) == ME, name
             assert _without_mark(live) == _without_mark(plain), name
+            assert repository != "auto-completed" or (live["max_batch_size"] == 8 and live["input"][0]["name"] == "IN")
     finally:
         server.stop()
     (tmp_path / "odd").mkdir()
