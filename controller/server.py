@@ -156,9 +156,19 @@ def precompile_models(repository: Path, names: list[str]) -> None:
             compileall.compile_dir(str(folder), quiet=2)
 
 
+def is_model_folder(folder: Path) -> bool:
+    """A model the server can load: a folder with its config.pbtxt, or without one (the server then completes a
+    minimal config from the model file: a Python model's `auto_complete_config`, an ONNX model's inputs) with a
+    numeric version folder such as `1/`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return False
+    return (folder / "config.pbtxt").is_file() or any(p.is_dir() and p.name.isdigit() for p in folder.iterdir())
+
+
 def repository_models(repository: Path) -> list[str]:
-    """Every folder of the repository that has a config.pbtxt, sorted."""
-    return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt"))
+    """Every folder of the repository that holds a model (`is_model_folder`), sorted."""
+    return sorted(p.name for p in Path(repository).iterdir() if is_model_folder(p))
 
 
 # Run by a fresh interpreter between fork and the server's exec: PR_SET_PDEATHSIG, then exec. Not a preexec_fn:
@@ -292,9 +302,12 @@ class TritonServer:
         if not repo.is_dir():
             raise ServerError(f"model repository {repo} is not a directory")
         names = o.models if o.models is not None else repository_models(repo)
-        missing = [m for m in names if not (repo / m / "config.pbtxt").exists()]
+        if not names:
+            raise ServerError(f"no model in {repo} (a model folder holds a config.pbtxt or a version folder such as 1/)")
+        missing = [m for m in names if not is_model_folder(repo / m)]
         if missing:
-            raise ServerError(f"model(s) {', '.join(missing)} not found in {repo} (no config.pbtxt)")
+            raise ServerError(f"model(s) {', '.join(missing)} not found in {repo} (a model folder holds a config.pbtxt "
+                              "or a version folder such as 1/)")
         return names
 
     def start(self, configs: Mapping[str, dict] | None = None) -> "TritonServer":

@@ -17,7 +17,7 @@ from conftest import ROOT, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.loop import Controller
-from controller.server import free_port
+from controller.server import free_port, repository_models
 from controller.ownership import (FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, OWNER_KEY, TAKE_OVER, UNMARKED, OwnerMark,
                                   OwnershipGuard, mark_of, marked_file_config, probe_status)
 from controller.status import format_model
@@ -287,7 +287,10 @@ def test_a_model_loaded_with_its_marked_file_config_runs_the_config_its_file_giv
         (repo / "ac" / "1").mkdir(parents=True)
         (repo / "ac" / "config.pbtxt").write_text('backend: "python"\n')
         (repo / "ac" / "1" / "model.py").write_text(AUTO_COMPLETED)
-    names = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
+        (repo / "no_file" / "1").mkdir(parents=True)                  # no config.pbtxt at all
+        (repo / "no_file" / "1" / "model.py").write_text(AUTO_COMPLETED)
+    names = repository_models(repo)
+    assert repository != "auto-completed" or names == ["ac", "no_file"]
     server = start_server(names, repository=repo)
     try:
         control = TritonControl(server.grpc_url, server.http_url, "http")

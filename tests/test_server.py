@@ -23,7 +23,7 @@ from conftest import ROOT, process_alive, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.ownership import mark_of
 from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, remove_shm_regions,
-                               spawn_dying_with_parent)
+                               repository_models, spawn_dying_with_parent)
 from controller.types import Settings
 
 
@@ -211,6 +211,24 @@ def test_taken_port_is_a_clear_error(server):
     r = _cli("serve", "--http-port", taken, "--grpc-port", str(free_port()), "--metrics-port", str(free_port()))
     assert r.returncode == 1
     assert f"HTTP port 127.0.0.1:{taken} is already in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_model_folder_is_one_with_a_config_or_a_version_folder(tmp_path):
+    """`serve` loads what the server could: a folder with a config.pbtxt, or one whose version folder the server
+    auto-completes a config for (a config-less model: tests/test_ownership.py loads one)."""
+    (tmp_path / "with_config").mkdir()
+    (tmp_path / "with_config" / "config.pbtxt").write_text('backend: "python"\n')
+    (tmp_path / "no_config" / "1").mkdir(parents=True)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not a model\n")
+    (tmp_path / "README.md").write_text("the repository's own notes\n")
+    assert repository_models(tmp_path) == ["no_config", "with_config"]
+    options = ServerOptions(repository=tmp_path, models=["no_config", "notes"])
+    with pytest.raises(ServerError, match=r"model\(s\) notes not found in .* a version folder such as 1/"):
+        TritonServer(options).model_names()
+    (tmp_path / "empty").mkdir()
+    r = _cli("serve", "--repository", str(tmp_path / "empty"))
+    assert r.returncode == 1 and "no model in" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_model_that_fails_to_load_is_a_clear_error(tmp_path):
