@@ -158,12 +158,19 @@ def precompile_models(repository: Path, names: list[str]) -> None:
 
 def is_model_folder(folder: Path) -> bool:
     """A model the server can load: a folder with its config.pbtxt, or without one (the server then completes a
-    minimal config from the model file: a Python model's `auto_complete_config`, an ONNX model's inputs) with a
-    numeric version folder such as `1/`."""
+    minimal config from the model file: a Python model's `auto_complete_config`, an ONNX model's inputs) a numeric
+    version folder holding a model file by its default name (`1/model.py`, `1/model.onnx`, `1/model.plan`, ...).
+    A folder of other files (`logs/2024/`) is not one; an unreadable folder is not one either."""
     folder = Path(folder)
-    if not folder.is_dir():
+    try:
+        if not folder.is_dir() or folder.name.startswith("."):
+            return False
+        if (folder / "config.pbtxt").is_file():
+            return True
+        return any(v.is_dir() and v.name.isdigit() and any(f.name.startswith("model.") for f in v.iterdir())
+                   for v in folder.iterdir())
+    except OSError:
         return False
-    return (folder / "config.pbtxt").is_file() or any(p.is_dir() and p.name.isdigit() for p in folder.iterdir())
 
 
 def repository_models(repository: Path) -> list[str]:
@@ -301,13 +308,17 @@ class TritonServer:
         repo = Path(o.repository)
         if not repo.is_dir():
             raise ServerError(f"model repository {repo} is not a directory")
-        names = o.models if o.models is not None else repository_models(repo)
+        try:
+            names = o.models if o.models is not None else repository_models(repo)
+        except OSError as e:
+            raise ServerError(f"cannot read the model repository {repo}: {e.strerror or e}") from None
         if not names:
-            raise ServerError(f"no model in {repo} (a model folder holds a config.pbtxt or a version folder such as 1/)")
+            raise ServerError(f"no model in {repo} (a model folder holds a config.pbtxt, or a version folder such as 1/ "
+                              "with the model file: 1/model.py, 1/model.onnx, ...)")
         missing = [m for m in names if not is_model_folder(repo / m)]
         if missing:
-            raise ServerError(f"model(s) {', '.join(missing)} not found in {repo} (a model folder holds a config.pbtxt "
-                              "or a version folder such as 1/)")
+            raise ServerError(f"model(s) {', '.join(missing)} not found in {repo} (a model folder holds a config.pbtxt, "
+                              "or a version folder such as 1/ with the model file: 1/model.py, 1/model.onnx, ...)")
         return names
 
     def start(self, configs: Mapping[str, dict] | None = None) -> "TritonServer":

@@ -219,12 +219,16 @@ def test_a_model_folder_is_one_with_a_config_or_a_version_folder(tmp_path):
     (tmp_path / "with_config").mkdir()
     (tmp_path / "with_config" / "config.pbtxt").write_text('backend: "python"\n')
     (tmp_path / "no_config" / "1").mkdir(parents=True)
+    (tmp_path / "no_config" / "1" / "model.onnx").write_bytes(b"")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "README.md").write_text("not a model\n")
+    (tmp_path / "logs" / "2024").mkdir(parents=True)                 # a numeric folder, no model file in it
+    (tmp_path / "logs" / "2024" / "run.log").write_text("\n")
+    (tmp_path / ".cache" / "1").mkdir(parents=True)
     (tmp_path / "README.md").write_text("the repository's own notes\n")
     assert repository_models(tmp_path) == ["no_config", "with_config"]
-    options = ServerOptions(repository=tmp_path, models=["no_config", "notes"])
-    with pytest.raises(ServerError, match=r"model\(s\) notes not found in .* a version folder such as 1/"):
+    options = ServerOptions(repository=tmp_path, models=["no_config", "notes", "logs"])
+    with pytest.raises(ServerError, match=r"model\(s\) notes, logs not found in .* 1/model.py, 1/model.onnx"):
         TritonServer(options).model_names()
     (tmp_path / "empty").mkdir()
     r = _cli("serve", "--repository", str(tmp_path / "empty"))
