@@ -306,14 +306,15 @@ def cmd_serve(args) -> int:
                 cfg.server, http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
                 auth_header=ADMIN_HEADER if restricted else cfg.server.auth_header)
             cfg = dataclasses.replace(cfg, server=server_cfg)
+            served = server.model_names()
             if not cfg.models:
-                cfg = cfg.with_models(server.model_names())
+                cfg = cfg.with_models(served)
             if not cfg.loop.decision_log and folder is not None:
                 # why: a newcomer's first question is "what did it do?"; the log outlives the serve
                 cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
                     cfg.loop, decision_log=str(runstate.serve_dir(os.getpid(), folder) / "decisions.jsonl")))
             controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0)
-            premarked = controller.first_load_configs(server.options.repository, server.model_names())
+            premarked = controller.first_load_configs(server.options.repository, served)
         server.start(premarked)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: HTTP {server.http_url}, gRPC {server.grpc_url}, "
               f"metrics {server.metrics_url}", flush=True)
