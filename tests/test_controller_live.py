@@ -125,8 +125,11 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
     act = Actuator(TritonControl(sim_server.grpc_url, sim_server.http_url))
     assert act.apply(MODEL, Settings(1, 0)).ok
     cfg = _config(sim_server, tmp_path / "decisions.jsonl", dry_run=True)
+    # why 60 traces/s: a 5-s window (the default is 20 s) then holds ~300 traced requests at 160 req/s, so its
+    # nearest-rank p99 is not the window's single slowest one; at the default 20/s it held ~85, and one slow
+    # request among them read 2.3x the clients' p99 for four ticks (a CI failure, docs/results.md)
     cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, interval_s=1.0, window_s=5.0,
-                                                            observation_log=str(obs_log)))
+                                                            trace_samples_per_s=60.0, observation_log=str(obs_log)))
     with running_controller(cfg) as (controller, _):
         phases = []
         for rate in (40, 160):
@@ -148,6 +151,8 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
         inside = [r for r in records if wall0 + 6 + r["obs"]["span_s"] <= r["time"] <= wall0 + LEVEL_S]
         assert inside, (rate, [(round(r["time"] - wall0, 1), r["obs"]) for r in records][-20:])
         assert all(r["obs"]["p99_source"] == "trace" for r in inside), [r["obs"] for r in inside]
+        # the premise of the comparison: each window's p99 rests on more than 100 traced requests
+        assert min(r["obs"]["p99_samples"] for r in inside) > 100, [r["obs"]["p99_samples"] for r in inside]
         # each tick says who decided it: nobody on a gate's hold, else the planner's model or the reactive rules
         gates = {"HoldWarmup", "HoldSettling", "HoldNoData", "HoldBackoff", "HoldFailures", "HoldReloading"}
         modes = [(r["reason"], r["mode"]) for r in inside]
