@@ -203,15 +203,16 @@ class Controller:
         """For a server this controller's caller is about to start (`serve`): the load override of each managed model
         among `names` that carries this controller's owner mark (ownership.marked_file_config), so that none needs a
         claim (a full reload) once the load has begun. Ensembles and decoupled models are never claimed, so not
-        marked, but their steps are (the loop manages them too); none at all where the loop would not claim (no mark,
-        a dry run, no /status to put in the mark)."""
+        marked, but their steps are (the loop manages them too), also a step not among `names` (`serve --models ens`:
+        the caller loads it first, so that the ensemble's load does not load it unmarked as a dependency); none at all
+        where the loop would not claim (no mark, a dry run, no /status to put in the mark)."""
         if not self.config.loop.owner_mark or self.config.loop.dry_run or self.me.status_url is None:
             return {}
         configs: dict[str, dict] = {}
         todo, seen = [n for n in names if n in self.config.models], set()
         while todo:
             name = todo.pop(0)
-            if name in seen or name not in names:
+            if name in seen:
                 continue
             seen.add(name)
             config, why = ownership.marked_file_config(Path(repository) / name, self.me)

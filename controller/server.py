@@ -323,10 +323,15 @@ class TritonServer:
 
     def start(self, configs: Mapping[str, dict] | None = None) -> "TritonServer":
         """Start the server and load its models; `configs`: a load override for some of them (the first load then
-        carries it, e.g. the controller's owner mark: ownership.marked_file_config)."""
+        carries it, e.g. the controller's owner mark: ownership.marked_file_config), loaded first, so that an ensemble
+        loaded after its steps finds them loaded with theirs; `configs` may name a model of the repository that
+        `models` does not list (an ensemble's step), loaded with its override too."""
         o = self.options
         repo = Path(o.repository)
         names = self.model_names()
+        configs = configs or {}
+        extra = [n for n in configs if n not in names and is_model_folder(repo / n)]
+        names = extra + [n for n in names if n in configs] + [n for n in names if n not in configs]
         for label, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
             if _port_in_use(o.host, port):
                 raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower().replace('grpc', 'grpc')}-port")
@@ -346,7 +351,7 @@ class TritonServer:
         try:
             self._wait_live(o.startup_timeout_s)
             for name in names:
-                config = (configs or {}).get(name)
+                config = configs.get(name)
                 if config is not None:
                     try:
                         self.load_model(name, config)

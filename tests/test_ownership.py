@@ -17,7 +17,7 @@ from conftest import ROOT, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.loop import Controller
-from controller.server import free_port, repository_models
+from controller.server import ServerOptions, TritonServer, free_port, repository_models
 from controller.ownership import (FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, OWNER_KEY, TAKE_OVER, UNMARKED, OwnerMark,
                                   OwnershipGuard, mark_of, marked_file_config, probe_status)
 from controller.status import format_model
@@ -339,3 +339,30 @@ def test_serve_marks_the_managed_models_and_an_ensembles_steps_not_the_ensemble(
     assert all(mark_of(c) == me and c["name"] == n for n, c in got.items())
     assert "dynamic_batching" not in got["plain"] and got["ens_step"]["dynamic_batching"] == {}   # as in the files
     assert configs(dry_run=True)[0] == {} and configs(owner_mark=False)[0] == {}
+    names = ["ens"]                                       # `serve --models ens`: its step is marked all the same
+    assert sorted(configs()[0]) == ["ens_step"]
+
+
+def test_serve_of_an_ensemble_alone_loads_its_step_once_and_marked(tmp_path):
+    """`serve --models ens`: the step, not listed, is loaded first with the mark, so the ensemble's load finds it
+    loaded (before, the server loaded it unmarked as a dependency and the controller claimed it with a full reload
+    once the load had begun)."""
+    repo = ROOT / "scripts" / "scenarios" / "repos" / "mixed"
+    marked, why = marked_file_config(repo / "ens_step", ME)
+    assert marked is not None, why
+    log_path = tmp_path / "server.log"
+    server = TritonServer(ServerOptions(repository=repo, http_port=free_port(), grpc_port=free_port(),
+                                        metrics_port=free_port(), models=["ens"], log_path=str(log_path),
+                                        extra_args=["--exit-timeout-secs=5"]))
+    server.start({"ens_step": marked})
+    try:
+        control = TritonControl(server.grpc_url, server.http_url, "http")
+        assert mark_of(control.config("ens_step")) == ME
+        assert mark_of(control.config("ens")) is None                 # the ensemble is never reloaded: not marked
+        states = {m["name"]: m.get("state") for m in control.repository_index()}
+        assert states["ens"] == states["ens_step"] == "READY", states
+        assert "bls" not in states or states["bls"] != "READY"       # nothing else of the repository was loaded
+    finally:
+        server.stop()
+    text = log_path.read_text()
+    assert text.count("successfully loaded 'ens_step'") == 1, text   # loaded once, with the override
