@@ -309,6 +309,8 @@ def cmd_serve(args) -> int:
             served = server.model_names()
             if not cfg.models:
                 cfg = cfg.with_models(served)
+            else:
+                _check_config_models(cfg, server.options.repository, args.config)
             if not cfg.loop.decision_log and folder is not None:
                 # why: a newcomer's first question is "what did it do?"; the log outlives the serve
                 cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
@@ -342,6 +344,7 @@ def cmd_serve(args) -> int:
         _write_run_state(state, folder)
         print(f"controller status: python -m controller status (or http://127.0.0.1:{endpoint.port}/status); "
               f"decision log: {state['decision_log'] or 'none'}", flush=True)
+        _say_which_wait(cfg, controller, models)
         print(f"controller managing {', '.join(cfg.models)} (p99 targets: "
               f"{', '.join(f'{m} {lim.p99_target_ms:g} ms' for m, lim in cfg.models.items())})", flush=True)
         died = _watch_server(server, stop)
@@ -358,6 +361,33 @@ def cmd_serve(args) -> int:
             controller.close()
         server.stop()
         print("stopped", flush=True)
+
+
+def _check_config_models(cfg: ControllerConfig, repository, config_path) -> None:
+    """A model the config names must be in the repository `serve` runs: a typo (`sim_acel`) would otherwise leave the
+    model meant unmanaged and the controller holding a model that cannot exist."""
+    from .server import is_model_folder, repository_models
+    repo = Path(repository)
+    unknown = [m for m in cfg.models if not is_model_folder(repo / m)]
+    if unknown:
+        held = repository_models(repo)
+        raise ConfigError(f"{config_path or 'the config'}: models: {', '.join(unknown)} not in the repository {repo} "
+                          f"(its models: {', '.join(held) or 'none'})")
+
+
+def _say_which_wait(cfg: ControllerConfig, controller, listed) -> None:
+    """A model the config names that `serve` did not load (not in --models, nor a step of an ensemble there) is held
+    until someone loads it; say so once at start-up rather than leave it to a log line per model."""
+    try:
+        ready = {m["name"] for m in controller.control.repository_index() if m.get("state") == "READY"}
+    except Exception as e:    # why: only a notice; the loop reports an unreachable server in its own words
+        log.debug("cannot list the loaded models: %s", e)
+        return
+    waiting = [m for m in cfg.models if m not in ready]
+    if waiting:
+        print(f"not loaded: {', '.join(waiting)} (named in the config, not loaded by serve"
+              f"{' --models ' + ','.join(listed) if listed else ''}); the controller manages "
+              f"{'it' if len(waiting) == 1 else 'them'} once loaded", flush=True)
 
 
 def _write_run_state(state: dict, folder: Path | None) -> Path | None:

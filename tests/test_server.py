@@ -246,13 +246,13 @@ def test_model_that_fails_to_load_is_a_clear_error(tmp_path):
         start_server(["broken"], repository=repo)
 
 
-def _serve(model: str, lines: list[str], env: dict | None = None) -> tuple[subprocess.Popen, int]:
-    """`python -m controller serve` of `model` on free ports, read up to its "controller managing" line (into
-    `lines`); the process and its HTTP port."""
+def _serve(model: str, lines: list[str], env: dict | None = None, *more: str) -> tuple[subprocess.Popen, int]:
+    """`python -m controller serve` of `model` (and `more` arguments) on free ports, read up to its "controller
+    managing" line (into `lines`); the process and its HTTP port."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "controller", "serve", "--http-port", str(http_port),
-                             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--models", model],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--models", model,
+                             *more], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -292,6 +292,34 @@ def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
     assert not left
     assert not [pid for pid in stub_pids if process_alive(pid)]
     assert not list(Path("/dev/shm").glob(f"{prefix}*")), "no shared-memory region outlives the server"
+
+
+def test_serve_refuses_a_config_model_the_repository_lacks_and_names_one_it_does_not_load(tmp_path):
+    """`serve --config` whose models: name one the repository does not hold (a typo: the model meant would go
+    unmanaged) is a one-line error before the server starts; one it holds but `serve` did not load (not in
+    --models) is named at start-up as waiting, not left to a warning per model in the log."""
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("models:\n  sim_acel: {p99_target_ms: 40}\n")
+    r = subprocess.run([sys.executable, "-m", "controller", "serve", "--config", str(typo), "--models", "sim_accel",
+                        "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port",
+                        str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "models: sim_acel not in the repository" in r.stderr and "its models: resnet_tiny, sim_accel" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout and "tritonserver ready" not in r.stdout
+    both = tmp_path / "both.yaml"
+    both.write_text("models:\n  sim_accel: {p99_target_ms: 40}\n  resnet_tiny: {p99_target_ms: 60}\n")
+    lines: list[str] = []
+    proc, _ = _serve("sim_accel", lines, None, "--config", str(both))
+    try:
+        assert lines[-1].startswith("controller managing"), "".join(lines)
+        assert any(line.startswith("not loaded: resnet_tiny (named in the config, not loaded by serve --models "
+                                   "sim_accel)") for line in lines), "".join(lines)
+        proc.send_signal(2)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
 
 
 def test_stop_removes_only_its_own_shm_regions(tmp_path):
