@@ -119,6 +119,18 @@ class TritonControl:
             return cfg["config"]   # proto field names; int64 as strings: fine for a load override
         return self._client.get_model_config(model, **self._kw())
 
+    def takes_model_loads(self) -> bool:
+        """Whether the server runs in explicit model-control mode, asked without touching a model: the unload of a
+        name no repository holds is a no-op there (HTTP 200, gRPC OK; checked on 2.51), and is refused with
+        "explicit model load / unload is not allowed ..." in modes none and poll. Other errors are raised."""
+        try:
+            self._client.unload_model(_PROBE_MODEL, **self._kw())
+        except Exception as e:  # noqa: BLE001
+            if _CONTROL_OFF_TEXT in _msg(e):
+                return False
+            raise
+        return True
+
     def load(self, model: str, config: dict | None = None) -> None:
         kw = self._kw(self.load_timeout_s)
         if config is None:
@@ -171,7 +183,7 @@ class Actuator:
             _, after = self.read(model)
         except Exception as e:  # noqa: BLE001
             after = self._read_quietly(model)
-            return ApplyResult(False, kind, after, time.monotonic() - t0, _msg(e))
+            return ApplyResult(False, kind, after, time.monotonic() - t0, _reload_error(e))
         if after != target:
             return ApplyResult(False, kind, after, time.monotonic() - t0,
                                f"server reports {after} after loading {target}")
@@ -218,7 +230,8 @@ class Actuator:
             self._wait_ready(model)
             after_cfg, after = self.read(model)
         except Exception as e:  # noqa: BLE001
-            return ApplyResult(False, "full_reload", self._read_quietly(model), time.monotonic() - t0, _msg(e))
+            return ApplyResult(False, "full_reload", self._read_quietly(model), time.monotonic() - t0,
+                               _reload_error(e))
         wrong = check(after_cfg, after, live)
         if wrong is not None:
             return ApplyResult(False, "full_reload", after, time.monotonic() - t0, wrong)
@@ -245,6 +258,22 @@ def _msg(e: Exception) -> str:
     return " ".join(str(text or e).split())[:500]
 
 
+_PROBE_MODEL = "triton-autotune-probe-no-such-model"     # a name no repository holds: takes_model_loads
+
+# Triton's answer to a load or unload when it runs in --model-control-mode=none or poll (the text says "polling"
+# in both modes: core's ModelRepositoryManager), over HTTP (503) and gRPC (UNAVAILABLE) alike
+_CONTROL_OFF_TEXT = "explicit model load / unload is not allowed"
+CONTROL_OFF_WHY = "it runs with --model-control-mode=none (the default) or poll"
+CONTROL_OFF_FIX = "restart it with --model-control-mode=explicit (and --load-model='*' to load every model at start)"
+CONTROL_OFF_HINT = f"the server takes no model loads: {CONTROL_OFF_WHY}; {CONTROL_OFF_FIX}"
+
+
+def _reload_error(e: Exception) -> str:
+    """A failed load's message, with what to do where the server's model control is off."""
+    text = _msg(e)
+    return f"{text} ({CONTROL_OFF_HINT})" if _CONTROL_OFF_TEXT in text else text
+
+
 # ---- what a refusal means ---------------------------------------------------------------------
 # Triton 2.51 answers a request to a restricted API the same way whether the header is missing or
 # carries the wrong value (one message in the binary for each protocol):
@@ -254,7 +283,7 @@ def _msg(e: Exception) -> str:
 # UNAVAILABLE over gRPC ("failed to connect to all addresses ... Connection refused"), or
 # DEADLINE_EXCEEDED when nothing answers; over HTTP a ConnectionRefusedError or a timeout.
 
-UNREACHABLE, RESTRICTED, WRONG_KEY, OTHER = "unreachable", "restricted", "wrong_key", "other"
+UNREACHABLE, RESTRICTED, WRONG_KEY, CONTROL_OFF, OTHER = "unreachable", "restricted", "wrong_key", "control_off", "other"
 
 _RESTRICTED_RE = re.compile(r"is restricted, expecting header '([^']*)'")
 _UNREACHABLE_TEXT = ("failed to connect to all addresses", "connection refused", "deadline exceeded",
@@ -262,12 +291,15 @@ _UNREACHABLE_TEXT = ("failed to connect to all addresses", "connection refused",
 
 
 def classify_error(e: BaseException, key_sent: bool) -> str:
-    """UNREACHABLE, RESTRICTED (no key sent), WRONG_KEY (a key was sent and refused) or OTHER."""
+    """UNREACHABLE, RESTRICTED (no key sent), WRONG_KEY (a key was sent and refused), CONTROL_OFF (the server takes
+    no model loads: not in explicit model-control mode) or OTHER."""
     text = _msg(e)
     status = getattr(e, "status", None)
     status = str(status() if callable(status) else status or "")
     if _RESTRICTED_RE.search(text) or status == "403":
         return WRONG_KEY if key_sent else RESTRICTED
+    if _CONTROL_OFF_TEXT in text:       # why: before the status test; gRPC says UNAVAILABLE, yet the server answered
+        return CONTROL_OFF
     if isinstance(e, (ConnectionError, TimeoutError, socket.timeout)):
         return UNREACHABLE
     if status in ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED"):
@@ -291,6 +323,8 @@ def explain_error(e: BaseException, where: str, key_sent: bool, key_env: str = "
     if kind == WRONG_KEY:
         return (f"the server at {where} refused the key sent in header '{header}' (its repository API is restricted "
                 f"to another key): check ${key_env} against the key file that serve printed")
+    if kind == CONTROL_OFF:
+        return f"the server at {where} takes no model loads: {CONTROL_OFF_WHY}; {CONTROL_OFF_FIX}"
     if kind == UNREACHABLE:
         return f"cannot reach the server at {where}: {text}"
     return f"the server at {where} answered with an error: {text}"

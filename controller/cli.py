@@ -427,7 +427,7 @@ def cmd_run(args) -> int:
         _stop_after(args.duration_s, stop)
     if not _wait_for_server(cfg.server, stop, headers):
         return 0
-    _check_repository_access(cfg.server, headers)
+    _check_repository_access(cfg.server, headers, cfg.loop.dry_run)
     controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or None)
     _run_controller(controller, endpoint, stop)
     return 0
@@ -453,18 +453,28 @@ def _config_from_serve(pid: int | None) -> ControllerConfig:
     return ControllerConfig(server=server)
 
 
-def _check_repository_access(server: ServerConfig, headers: dict) -> None:
-    """One repository call before the loop starts, so that a refused key is one clear line, not a log loop."""
-    from .actuation import RESTRICTED, WRONG_KEY, TritonControl, classify_error, explain_error
+def _check_repository_access(server: ServerConfig, headers: dict, dry_run: bool = False) -> None:
+    """Repository calls before the loop starts, so that a refused key, or a server that takes no model loads (not in
+    explicit model-control mode: every change would fail), is one clear line, not a log loop. A dry run changes
+    nothing, so a server without model control only gets a warning there."""
+    from .actuation import CONTROL_OFF_FIX, CONTROL_OFF_WHY, RESTRICTED, WRONG_KEY, TritonControl, classify_error, explain_error
     control = TritonControl(server.grpc_url, server.http_url, server.control_protocol, headers, timeout_s=server.timeout_s)
+    where = server.grpc_url if server.control_protocol == "grpc" else server.http_url
     try:
         control.repository_index()
+        takes_loads = control.takes_model_loads()
     except Exception as e:  # noqa: BLE001
         if classify_error(e, bool(headers)) in (RESTRICTED, WRONG_KEY):
-            where = server.grpc_url if server.control_protocol == "grpc" else server.http_url
             raise ServerError(explain_error(e, where, bool(headers), server.auth_key_env)) from None
+        return      # why: anything else (a server going away) the loop reports, and retries, in its own words
     finally:
         control.close()
+    if not takes_loads:
+        if not dry_run:
+            raise ServerError(f"the server at {where} takes no model loads: {CONTROL_OFF_WHY}; {CONTROL_OFF_FIX}, or "
+                              "run with --dry-run to only watch and decide")
+        log.warning("the server at %s takes no model loads: %s (a dry run changes nothing, so it goes on)", where,
+                    CONTROL_OFF_WHY)
 
 
 def cmd_status(args) -> int:
