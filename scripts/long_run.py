@@ -13,7 +13,6 @@ target one instance meets at the low rate only, so the controller adds and remov
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync  # noqa: E402
 from controller.decision_log import read_rotated  # noqa: E402
-from controller.evaluation.arm import stop_process  # noqa: E402
+from controller.evaluation.serveproc import ServeProcess  # noqa: E402
 from controller.server import free_port  # noqa: E402
 
 MODEL = "sim_accel"
@@ -160,28 +159,14 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
     config = work / "controller.yaml"
     config.write_text(f"defaults:\n  p99_target_ms: {target_ms:g}\n")
     decision_log = work / "decisions.jsonl"
-    serve = subprocess.Popen([sys.executable, "-m", "controller", "serve", "--models", MODEL, "--http-port", str(http),
-                              "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--config", str(config),
-                              "--decision-log", str(decision_log)],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # 200 lines kept: where tritonserver aborts, its backtrace (~30 frames) comes before serve's own last lines
+    serve = ServeProcess(["--models", MODEL, "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
+                          str(metrics), "--config", str(config), "--decision-log", str(decision_log)],
+                         cwd=ROOT, keep_lines=200)
     samples: list[dict] = []
     load = None
-    # 200 lines: where tritonserver aborts, its backtrace (~30 frames) comes before serve's own last lines
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    tail_lock = threading.Lock()
     try:
-        for line in serve.stdout:
-            tail.append(line)
-            if line.startswith("controller managing"):
-                break
-        else:
-            raise RuntimeError("serve stopped before the controller started: " + "".join(tail))
-        # drain its output, keeping the last lines: where the server dies, serve's last words are its log's tail
-        def drain() -> None:
-            for out_line in serve.stdout:
-                with tail_lock:
-                    tail.append(out_line)
-        threading.Thread(target=drain, daemon=True).start()
+        serve.start()
         server_pid = next(p for p in children(serve.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read())
         import tritonclient.grpc as grpcclient
         cfg = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}").get_model_config(MODEL, as_json=True)["config"]
@@ -197,19 +182,17 @@ def long_run(minutes: float, every_s: float, phase_s: float = 20.0, low_rps: flo
         if load is not None:
             load.stop.set()
             load.join(timeout=phase_s + 15)
-        stop_process(serve, timeout_s=60)
+        serve.stop(timeout_s=60)
     records = read_rotated(decision_log)
     reloads = reloads_logged(records)
     last_records = records[-12:]                         # what the controller did last, for a failure's report
     shutil.rmtree(work, ignore_errors=True)
-    with tail_lock:
-        serve_tail = "".join(tail)
     return {"minutes": minutes, "every_s": every_s, "phase_s": phase_s, "low_rps": low_rps, "high_rps": high_rps,
             "p99_target_ms": target_ms, "reloads_applied": reloads["applied"], "reloads_failed": reloads["failed"],
             "applied_reasons": reloads["reasons"],
             "requests": None if load is None else load.requests, "failed_requests": None if load is None else load.failed,
-            "errors": None if load is None else load.errors, "serve_exit": serve.returncode,
-            "serve_tail": serve_tail, "last_decisions": last_records, "samples": samples}
+            "errors": None if load is None else load.errors, "serve_exit": serve.exit_code,
+            "serve_tail": serve.tail(), "last_decisions": last_records, "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:

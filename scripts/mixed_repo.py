@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync  # noqa: E402
 from controller.decision_log import read_rotated  # noqa: E402
-from controller.evaluation.arm import stop_process  # noqa: E402
+from controller.evaluation.serveproc import ServeProcess  # noqa: E402
 from controller.server import free_port  # noqa: E402
 
 REPOSITORY = ROOT / "scripts" / "scenarios" / "repos" / "mixed"
@@ -128,23 +128,15 @@ def run(minutes: float, rates: dict[str, float], work: Path, log=print) -> dict:
     config.write_text(yaml.safe_dump(cfg_doc))
     decision_log = work / "decisions.jsonl"
     env = {**os.environ, "TRITON_AUTOTUNE_RUN_DIR": str(work / "run")}
-    serve_cmd = [sys.executable, "-m", "controller", "serve", "--repository", str(REPOSITORY), "--config", str(config),
-                 "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-                 "--decision-log", str(decision_log)]
-    log("$ " + " ".join(serve_cmd[1:]))
-    serve = subprocess.Popen(serve_cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    serve_lines: list[str] = []
+    serve_args = ["--repository", str(REPOSITORY), "--config", str(config), "--http-port", str(http), "--grpc-port",
+                  str(grpc), "--metrics-port", str(metrics), "--decision-log", str(decision_log)]
+    log("$ -m controller serve " + " ".join(serve_args))
+    serve = ServeProcess(serve_args, cwd=ROOT, env=env, keep_lines=100_000)
     loads: dict[str, Load] = {}
     status_text = status_json = None
     t_start = time.time()
     try:
-        for line in serve.stdout:
-            serve_lines.append(line.rstrip())
-            if line.startswith("controller managing"):
-                break
-        else:
-            raise RuntimeError("serve stopped before the controller started:\n" + "\n".join(serve_lines[-20:]))
-        threading.Thread(target=lambda: serve_lines.extend(x.rstrip() for x in serve.stdout), daemon=True).start()
+        serve.start()
         import tritonclient.grpc as grpcclient
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
         seconds = minutes * 60
@@ -163,14 +155,15 @@ def run(minutes: float, rates: dict[str, float], work: Path, log=print) -> dict:
         for load in loads.values():
             load.join(timeout=seconds + 60)
     finally:
-        stop_process(serve, timeout_s=60)
+        serve.stop(timeout_s=60)
     decisions = read_rotated(decision_log)
     observations = read_rotated(work / "observations.jsonl")
     n_min = max(1, int(round(minutes)))
     target = float(cfg_doc["models"][ENSEMBLE]["p99_target_ms"])
     out = {"minutes": minutes, "rates_rps": rates, "ensemble_target_ms": target,
-           "serve_command": " ".join(serve_cmd[1:5]) + " --config scripts/scenarios/mixed.yaml (+ observation_log)",
-           "serve_exit": serve.returncode, "models": {}, "reloads": {}}
+           "serve_command": f"-m controller serve --repository {REPOSITORY.relative_to(ROOT)} "
+                            "--config scripts/scenarios/mixed.yaml (+ observation_log)",
+           "serve_exit": serve.exit_code, "models": {}, "reloads": {}}
     for model, load in loads.items():
         recs = load.records
         failed = [r for r in recs if not r.ok]
@@ -207,7 +200,7 @@ def run(minutes: float, rates: dict[str, float], work: Path, log=print) -> dict:
     out["failed_reloads"] = sum(len(r["failed"]) for r in out["reloads"].values())
     out["status_text"] = status_text
     out["status_json"] = status_json
-    out["serve_log_tail"] = [line for line in serve_lines if "p99 target" in line or "managed as" in line
+    out["serve_log_tail"] = [line for line in serve.tail().splitlines() if "p99 target" in line or "managed as" in line
                              or "knobs" in line or "error" in line.lower()][-60:]
     return out
 

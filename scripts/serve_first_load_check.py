@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controller.evaluation.loadgen import load_trace, make_inputs_from_config, poisson_schedule, run_open_loop_sync  # noqa: E402
+from controller.evaluation.serveproc import ServeProcess  # noqa: E402
 from controller.server import free_port  # noqa: E402
 
 MODEL = "sim_cold"
@@ -35,27 +34,17 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=70.0, help="how long the load runs")
     args = p.parse_args()
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "controller", "serve", "--repository", "scripts/scenarios/repos/cold_start",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-         "--duration-s", str(args.seconds + 60)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    decision_log = None
-    try:
-        for line in proc.stdout:
-            if "decision log:" in line:
-                decision_log = line.rsplit("decision log: ", 1)[1].strip()
-            if line.startswith("controller managing") or proc.poll() is not None:
-                break
+    serve = ServeProcess(["--repository", "scripts/scenarios/repos/cold_start", "--http-port", str(http_port),
+                          "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                          "--duration-s", str(args.seconds + 60)], cwd=ROOT)
+    with serve:
         schedule = poisson_schedule(load_trace({"phases": [{"name": "load", "duration_s": args.seconds,
                                                              "rate_rps": args.rate}]}), seed=3, max_requests=10**6)
         t0 = time.monotonic()
         results = run_open_loop_sync(f"127.0.0.1:{grpc_port}", MODEL, schedule,
                                      make_inputs_from_config(f"127.0.0.1:{http_port}", MODEL), timeout_s=10.0)
+        decision_log = serve.decision_log
         records = [json.loads(x) for x in Path(decision_log).read_text().splitlines()] if decision_log else []
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
     failed = sum(not r.ok for r in results)
     print(f"{len(results)} requests at {args.rate:g} req/s for {args.seconds:g} s, {failed} failed")
     for start in range(0, int(args.seconds), 10):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -320,6 +321,21 @@ def test_serve_refuses_a_config_model_the_repository_lacks_and_names_one_it_does
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0
+
+
+def test_a_serve_that_stops_before_its_controller_runs_is_said_so_with_its_last_lines():
+    """evaluation.serveproc.ServeProcess, which the scripts that drive `serve` share: a serve that exits before
+    "controller managing" (here a taken port) raises with serve's own error line, and leaves no process."""
+    from controller.evaluation.serveproc import ServeProcess, ServeStopped
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = str(s.getsockname()[1])
+        serve = ServeProcess(["--http-port", taken, "--grpc-port", str(free_port()), "--metrics-port",
+                              str(free_port())], cwd=ROOT)
+        with pytest.raises(ServeStopped, match=f"before the controller started:(.|\n)*HTTP port 127.0.0.1:{taken}"):
+            serve.start()
+    assert serve.exit_code not in (None, 0)
 
 
 def test_stop_removes_only_its_own_shm_regions(tmp_path):
