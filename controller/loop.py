@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +51,7 @@ from .types import Decision, GpuObservation, Observation, Settings
 log = logging.getLogger("controller.loop")
 
 CAPACITY_STALE_WINDOWS = 3      # a capacity figure outlives missing data (a reload) this many windows
+DISCOVER_EVERY_S = 10.0         # without a models: section, the server's READY models are listed again this often
 PREDICTED_EVERY_S = 30.0        # the planner's predicted capacities (for status) are recomputed this often
 
 
@@ -183,6 +185,8 @@ class Controller:
         ownership.running(self.me.owner)
         self._ticks = 0
         self._tick_error: str | None = None
+        self._discovered_at = -math.inf                     # when the server's READY models were last listed
+        self._said_nothing_ready = False
         self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
         self._lock = threading.Lock()
         self._published: tuple[float, dict] | None = None   # (controller time, snapshot), see status_snapshot
@@ -235,6 +239,24 @@ class Controller:
         if self.config.models:
             return list(self.config.models)
         return sorted(m["name"] for m in self.control.repository_index() if m.get("state") == "READY")
+
+    def _discover(self, now: float) -> None:
+        """Add the models to manage that are not managed yet: the config's at the first tick; without a `models:`
+        section, every model READY on the server, asked again every DISCOVER_EVERY_S, so that a model loaded later
+        is managed too. Until one is READY, say once that there is nothing to manage (a server started without
+        --load-model, a model still loading), rather than run silently on nothing."""
+        names = self.discover()
+        self._discovered_at = now
+        for name in names:
+            if name not in self.models:
+                if self.models:
+                    log.info("%s: READY on the server; managing it too", name)
+                self.add_model(name, now)
+        if not self.models and not self._said_nothing_ready:
+            self._said_nothing_ready = True
+            log.warning("no model is READY on the server yet, so nothing to manage; each model that becomes READY is "
+                        "managed (load them with --load-model='*' or the repository API, or name them under models: "
+                        "in the config)")
 
     def add_model(self, name: str, now: float) -> ManagedModel:
         limits = self.config.limits_for(name)
@@ -330,15 +352,15 @@ class Controller:
             self._publish(now)
 
     def _tick(self, now: float) -> None:
-        if not self.models:
+        if not self.models or (not self.config.models and now - self._discovered_at >= DISCOVER_EVERY_S):
             try:
-                for name in self.discover():
-                    self.add_model(name, now)
+                self._discover(now)
             except Exception as e:  # noqa: BLE001
-                if self._tick_error is None:
-                    log.warning("cannot list models on the server (%s); retrying", _short(e))
-                self._tick_error = f"cannot list models on the server: {_short(e)}"
-                return
+                if not self.models:
+                    if self._tick_error is None:
+                        log.warning("cannot list models on the server (%s); retrying", _short(e))
+                    self._tick_error = f"cannot list models on the server: {_short(e)}"
+                    return
         self._tick_error = None
         self._collect_finished()
         self._pass_ensemble_targets(now)

@@ -461,3 +461,40 @@ def test_the_fleet_scalers_capacity_at_the_ceiling_is_the_planners_not_a_linear_
     assert cap.utilization == pytest.approx(150.0 / cap.capacity_rps)
     # the busy figure came from the statistics: 150 items/s in 50 + 50 executions/s of 6 and 7.5 ms = 0.675 s/s
     assert mm.last_obs.busy_source == "batch_stats" and mm.last_obs.busy_fraction == pytest.approx(0.675, rel=0.02)
+
+
+def test_without_a_models_section_each_model_that_becomes_ready_is_managed(caplog):
+    """`run` with no `models:` manages the server's READY models: none yet is said once (not a silent loop on
+    nothing), the first that loads is managed at the next tick, one loaded later within DISCOVER_EVERY_S."""
+    import logging
+
+    from controller.loop import DISCOVER_EVERY_S
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    clock = Clock()
+    control = FakeControl([])
+    scraper = FakeScraper(clock, {})
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={})
+    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(ctl, clock, 3)
+    assert ctl.models == {}
+    assert sum("no model is READY" in r.getMessage() for r in caplog.records) == 1
+    control.configs["a"] = model_config("a")
+    scraper.models["a"] = FakeModel(50, 5, 4)
+    run_ticks(ctl, clock, 1)
+    assert list(ctl.models) == ["a"]
+    control.configs["b"] = model_config("b")
+    scraper.models["b"] = FakeModel(20, 5, 4)
+    run_ticks(ctl, clock, int(DISCOVER_EVERY_S) + 1)
+    assert sorted(ctl.models) == ["a", "b"]
+    assert any("b: READY on the server; managing it too" in r.getMessage() for r in caplog.records)
+    assert ctl.models["b"].last_decision is not None                   # it is decided on like the first
+
+
+def test_a_models_section_is_the_whole_managed_set():
+    """With `models:`, a model the server also serves is left alone, however long the controller runs."""
+    from controller.loop import DISCOVER_EVERY_S
+    clock = Clock()
+    ctl, control, scraper = make(["m"], {"m": FakeModel(50, 5, 4)}, clock)
+    control.configs["other"] = model_config("other")
+    run_ticks(ctl, clock, int(2 * DISCOVER_EVERY_S) + 1)
+    assert list(ctl.models) == ["m"]
