@@ -243,7 +243,14 @@ def load_config(path: str | Path | None) -> ControllerConfig:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+        raise ConfigError(f"{p}: {yaml_error_text(e)}") from None
     return parse_config(raw)
+
+
+def yaml_error_text(e: Exception) -> str:
+    """A YAML parse error in one line: "not valid YAML at line 3, column 1: expected ',' or '}', but got '<stream
+    end>'" (PyYAML's own text spans several lines, with the offending line drawn under a caret)."""
+    where = getattr(e, "problem_mark", None)
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+    what = " ".join(str(getattr(e, "problem", None) or e).split())
+    return f"not valid YAML{at}: {what}"

@@ -29,13 +29,15 @@ def test_peak_total_counts_instances_alive_at_once():
                  id="budget-too-small"),
     pytest.param("sla_ms: 40\nbudget_instances: 3\nmodels: {a: {phases: [{name: x, duration_s: 1, rate_rps: -5}]}, "
                  "b: {phases: [{name: y, duration_s: 1, rate_rps: 1}]}}", "models.a.phases[0].rate_rps", id="bad-rate"),
+    pytest.param("models:\n  a: {phases: [oops\n", "not valid YAML at line 3, column 1: expected ',' or ']'",
+                 id="malformed-yaml"),
 ])
 def test_bad_scenarios_say_what_is_wrong(tmp_path, doc, message):
     path = tmp_path / "s.yaml"
     path.write_text(doc)
     with pytest.raises(MultiBenchError, match=None) as err:
         load_scenario(path)
-    assert message in str(err.value)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_shipped_scenario_is_a_two_model_scenario():

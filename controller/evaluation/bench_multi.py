@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ..config import yaml_error_text
 from ..types import Settings
 from .arm import ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
 from .arm import run_arm as run_shared_arm
@@ -70,8 +71,10 @@ def is_multi_model_scenario(path: str | Path) -> bool:
 def load_scenario(path: str | Path) -> Scenario:
     try:
         raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise MultiBenchError(f"cannot read scenario {path}: {e}") from None
+    except OSError as e:
+        raise MultiBenchError(f"cannot read scenario {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise MultiBenchError(f"scenario {path}: {yaml_error_text(e)}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("models"), dict) or len(raw["models"]) != 2:
         raise MultiBenchError(f"{path}: needs `models:` with exactly two models, each with `phases:`")
     sla = raw.get("sla_ms")

@@ -293,7 +293,8 @@ def _read_trace_source(path_or_dict: str | Path | Mapping) -> Mapping:
     except OSError as e:
         raise TraceError(f"trace file {path}: cannot read it ({e.strerror or e})") from e
     except yaml.YAMLError as e:
-        raise TraceError(f"trace file {path}: not valid YAML ({e})") from e
+        from ..config import yaml_error_text
+        raise TraceError(f"trace file {path}: {yaml_error_text(e)}") from None
     if not isinstance(raw, Mapping):
         raise TraceError(f"trace file {path}: expected a mapping with 'phases' or 'day_curve' at the top")
     return raw
