@@ -252,7 +252,7 @@ def _step_line(step: str, s: dict | None, ensemble: str) -> str:
     if s.get("p99_target_ms") is not None:
         parts.append(f"target {_num(s['p99_target_ms'], 1)} ms"
                      + (f" (from {ensemble})" if s.get("target_ensemble") == ensemble else " (its own)"))
-    if o.get("queue_ms") is not None:
+    if o.get("queue_ms") is not None and o.get("completion_rps"):     # why: with no request, 0.00 ms is no figure
         parts.append(f"queue {_num(o['queue_ms'], 2)} ms + compute {_num(o.get('compute_ms'), 2)} ms per request")
     if s.get("reloading"):
         parts.append("reloading")
@@ -266,7 +266,7 @@ def _ensemble_rows(m: dict, models: dict, name: str) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     o = m.get("obs") or {}
     steps = m.get("ensemble_steps") or []
-    if o.get("mean_ms") is not None:
+    if o.get("mean_ms") is not None and o.get("completion_rps"):      # why: with no request, 0.00 ms is no figure
         step_means = [((models.get(s) or {}).get("obs") or {}).get("mean_ms") for s in steps]
         text = f"mean {_num(o['mean_ms'], 2)} ms per request end to end"
         if steps and all(x is not None for x in step_means):

@@ -175,3 +175,10 @@ def test_status_shows_the_ensemble_end_to_end_and_its_steps():
     assert text.index("\n\nnet  ") > text.index("\n\nens  ")
     net_head = text.split("\n\nnet  ")[1].splitlines()[0]
     assert " from ens, 1-4 instances)" in net_head, net_head
+    # a window without requests (right after serve starts): no "0.00 ms" figures for the ensemble or its step
+    for m in doc["models"].values():
+        m["obs"] = {**m["obs"], "arrival_rps": 0.0, "completion_rps": 0.0, "mean_ms": 0.0, "queue_ms": 0.0,
+                    "compute_ms": 0.0, "p99_ms": None}
+    quiet = format_text(doc).split("\n\nens  ")[1].split("\n\n")[0]
+    assert "per request" not in quiet and "0.00 ms" not in quiet, quiet
+    assert re.search(r"\n  p99 +none: no requests in the window", quiet), quiet
