@@ -246,10 +246,11 @@ class Controller:
         is managed too. Until one is READY, say once that there is nothing to manage (a server started without
         --load-model, a model still loading), rather than run silently on nothing."""
         names = self.discover()
+        later = bool(self.models)            # why: the models found at the start are announced by their kind lines
         self._discovered_at = now
         for name in names:
             if name not in self.models:
-                if self.models:
+                if later:
                     log.info("%s: READY on the server; managing it too", name)
                 self.add_model(name, now)
         if not self.models and not self._said_nothing_ready:

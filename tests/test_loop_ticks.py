@@ -486,15 +486,22 @@ def test_without_a_models_section_each_model_that_becomes_ready_is_managed(caplo
     scraper.models["b"] = FakeModel(20, 5, 4)
     run_ticks(ctl, clock, int(DISCOVER_EVERY_S) + 1)
     assert sorted(ctl.models) == ["a", "b"]
-    assert any("b: READY on the server; managing it too" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "managing it too" in r.getMessage()]
+    assert said == ["b: READY on the server; managing it too"], said      # not "a", found when none was managed
     assert ctl.models["b"].last_decision is not None                   # it is decided on like the first
 
 
-def test_a_models_section_is_the_whole_managed_set():
-    """With `models:`, a model the server also serves is left alone, however long the controller runs."""
+def test_a_models_section_is_the_whole_managed_set(caplog):
+    """With `models:`, a model the server also serves is left alone, however long the controller runs; the ones
+    named are all taken at the first tick, none announced as "managing it too" (serve's own start-up)."""
+    import logging
+
     from controller.loop import DISCOVER_EVERY_S
     clock = Clock()
-    ctl, control, scraper = make(["m"], {"m": FakeModel(50, 5, 4)}, clock)
+    ctl, control, scraper = make(["m", "n"], {"m": FakeModel(50, 5, 4), "n": FakeModel(20, 5, 4)}, clock)
     control.configs["other"] = model_config("other")
+    caplog.set_level(logging.INFO, logger="controller.loop")
     run_ticks(ctl, clock, int(2 * DISCOVER_EVERY_S) + 1)
-    assert list(ctl.models) == ["m"]
+    assert sorted(ctl.models) == ["m", "n"]
+    assert not [r for r in caplog.records if "managing it too" in r.getMessage()]
+
