@@ -174,6 +174,15 @@ SEEN = {
 }
 
 
+def test_a_failing_metrics_scrape_says_where_to_look():
+    """No observation because /metrics does not answer (a wrong metrics_url, or a server started with
+    --allow-metrics=false): the load row names both, not only that the scrape failed."""
+    rows = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", dict(SEEN, obs=None,
+                                                                                     obs_now="scrape_failed"))[1:])
+    assert rows["load"].startswith("the metrics scrape failed (check server.metrics_url") and \
+        "--allow-metrics=true" in rows["load"], rows
+
+
 def test_the_text_is_one_aligned_block_per_model():
     block = format_model("sim_accel", SEEN)
     assert block[0] == "sim_accel  READY  2 instances, delay 0 us  (target p99 40 ms, 1-4 instances)"
