@@ -319,11 +319,19 @@ class ServiceTimes:
     its first execution and 23-76 ms for each new batch size against 1.6-2.1 ms later
     (docs/bench/gpu_h200/). Summed in, one such execution among 200 of 2.5 ms read s(1) as 4.1 ms
     five seconds after a scale-up and 2.8 ms (+13%) after 30 s, at 200 executions a second; the
-    planner would have taken the new configuration for a slower one. An instance's first execution
-    of a batch size it had not run before, much later, is not caught: it is one execution among
-    that size's many. A scale-down in place starts no instance and loses its first executions too
-    (a second of data under load). The instance count is the configuration's, so an in-place
-    scale-up's one new instance gets a share of the count, not all of it: at n = 4 about 25.
+    planner would have taken the new configuration for a slower one. A scale-down in place starts no
+    instance and loses its first executions too (a second of data under load). The instance count is
+    the configuration's, so an in-place scale-up's one new instance gets a share of the count, not all
+    of it: at n = 4 about 25.
+
+    Past the settle, the first interval that holds a batch size this configuration has not run since
+    its baseline is left out for that size too (counted in `new_sizes`), since it holds the size's first
+    execution: a backend's first run of a new shape (cuDNN's autotuning, a TensorRT profile, a
+    recompile; sim_cold's 50 ms) is as cold as an instance's first run. Seen (CI, sim_cold, 60 req/s on
+    one instance): sizes 3, 5 and 8 first ran after the settle, one or two executions each at 38-71 ms
+    against ~10 ms, and the curve's slope read 8.3 ms an item where the model's is 1.5. Both kinds of
+    left-out executions go to the configuration's settle reading (`cold_start`). A size an instance
+    first runs after another instance of the same configuration ran it is not caught.
 
     Memory is bounded: per configuration only two sums per
     batch size (at most `max_sizes` sizes), at most `max_configs` configurations (the one fed
@@ -353,6 +361,9 @@ class ServiceTimes:
         self.resets = 0
         self.straddles = 0
         self.settling = 0            # intervals left out after a new baseline (cold start)
+        self.new_sizes = 0           # past the settle, a size's first interval left out (its first execution)
+        self._sizes_run: set[int] = set()   # the sizes run since the last baseline
+        self._run_record: dict[int, tuple[float, float]] | None = None   # this baseline's settle reading, once kept
         self._settle_base: int | None = None    # executions at the last new baseline; None once settled
         self._left_out: dict[int, list[float]] = {}   # size -> [executions, ns] left out since that baseline
         # the last COLD_START_KEPT settles: (configuration, its left-out executions: size -> (executions, ns))
@@ -388,10 +399,22 @@ class ServiceTimes:
             if _executions(old_stats) - self._settle_base < self.settle_executions * settings.instance_count:
                 self.settling += 1
                 self._add_sizes(self._left_out, deltas)
+                self._sizes_run.update(deltas)
                 return
             self._settle_base = None
-            if self._left_out:
-                self._settles.append((settings, {b: (n, ns) for b, (n, ns) in self._left_out.items()}))
+            self._run_record = {b: (n, ns) for b, (n, ns) in self._left_out.items()}
+            if self._run_record:
+                self._settles.append((settings, self._run_record))
+        new = {b: d for b, d in deltas.items() if b not in self._sizes_run and d[0] > 0}
+        if new and self.settle_executions > 0 and self._run_record is not None:
+            self.new_sizes += len(new)
+            self._sizes_run.update(new)
+            if not self._run_record:           # why: the settle left nothing out; a reading to hold these
+                self._settles.append((settings, self._run_record))
+            for b, (n, ns) in new.items():
+                had_n, had_ns = self._run_record.get(b, (0.0, 0.0))
+                self._run_record[b] = (had_n + n, had_ns + ns)
+            deltas = {b: d for b, d in deltas.items() if b not in new}
         if deltas:
             self._accumulate(settings, deltas, now)
 
@@ -409,9 +432,13 @@ class ServiceTimes:
         """
         self._settle_base = _executions(stats)
         self._left_out = {}
+        self._sizes_run = set()
+        self._run_record = None
         if last is None or not 0 <= now - last[0] <= SEED_SPAN_S or not counters_restarted(last[1], stats):
             return
-        self._add_sizes(self._left_out, batch_deltas(StatsCounters(), stats))
+        seed = batch_deltas(StatsCounters(), stats)
+        self._add_sizes(self._left_out, seed)
+        self._sizes_run.update(seed)
 
     def _accumulate(self, settings: Settings, deltas: dict[int, tuple[int, int]], now: float) -> None:
         sums = self._sums.pop(settings, None)
