@@ -415,6 +415,14 @@ def test_state_stays_bounded():
     assert times.configs() == [Settings(8, 0), Settings(9, 0), Settings(10, 0)]   # the least recently fed evicted
     assert all(len(times.points(s)) == 8 for s in times.configs())
     assert len(times._sums) == 3 and all(len(sums) <= 8 for sums in times._sums.values())
+    # with a settle, the sizes run since the baseline and the settle's readings are bounded too
+    settled = ServiceTimes(settle_executions=1, min_executions=1, max_sizes=8, half_life_s=None)
+    rows = {b: _ms(0, 1.0) for b in range(1, 501)}
+    for t in range(6):
+        rows = {b: (n + (b % (t + 1) == 0), ns + 2_000_000 * (b % (t + 1) == 0)) for b, (n, ns) in rows.items()}
+        settled.add(S1, _stats(rows), float(t))
+    assert len(settled._sizes_run) <= 8 and all(len(r) <= 8 for _, r in settled._settles)
+    assert len(settled.points(S1)) <= 8
 
 
 def test_decay_follows_drift_and_a_config_not_running_keeps_its_curve():
