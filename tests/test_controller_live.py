@@ -140,7 +140,8 @@ def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp
         time.sleep(1.5)                       # one more tick reads the last files
     records = [r for r in _records(obs_log) if r["model"] == MODEL and r["obs"].get("p99_ms") is not None]
     for rate, wall0, results in phases:
-        assert results and all(r.ok for r in results)
+        assert results and all(r.ok for r in results), [(round(r.scheduled_s, 2), r.error) for r in results
+                                                        if not r.ok][:5]
         done = np.array([r.done_s for r in results])
         # from the moment each request left the client: the time a busy load generator spends before sending
         # (its own lateness, counted in its scheduled-time latency) is invisible to the server, and on a loaded

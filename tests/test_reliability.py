@@ -108,7 +108,9 @@ def test_failed_reload_keeps_the_old_config_learns_the_limit_and_backs_off(tmp_p
         assert act.read(MODEL)[1] == Settings(2, 0)
         with _ControllerThread(_server_config(server, log_path, gpu="none", backoff_s=backoff_s,
                                               p99_target_ms=10.0)) as ct:
-            results = _load(server, rate_rps=150, seconds=16)
+            # 22 s: room for the longest path, two failed attempts (a jump, then target - 1 after the backoff,
+            # ~9 s in) and the second's backoff, before the learned maximum is read (16 s ended inside it once)
+            results = _load(server, rate_rps=150, seconds=22)
         mm = ct.controller.models[MODEL]
         live = act.read(MODEL)[1]
         ready = TritonControl(server.grpc_url, server.http_url).ready(MODEL)
