@@ -264,14 +264,19 @@ _PROBE_MODEL = "triton-autotune-probe-no-such-model"     # a name no repository 
 # in both modes: core's ModelRepositoryManager), over HTTP (503) and gRPC (UNAVAILABLE) alike
 _CONTROL_OFF_TEXT = "explicit model load / unload is not allowed"
 CONTROL_OFF_WHY = "it runs with --model-control-mode=none (the default) or poll"
-CONTROL_OFF_FIX = "restart it with --model-control-mode=explicit (and --load-model='*' to load every model at start)"
-CONTROL_OFF_HINT = f"the server takes no model loads: {CONTROL_OFF_WHY}; {CONTROL_OFF_FIX}"
+
+
+def control_off_text(where: str | None = None) -> str:
+    """What a server without model control means and what to do, in one line (`where`: its address)."""
+    server = f"the server at {where}" if where else "the server"
+    return (f"{server} takes no model loads: {CONTROL_OFF_WHY}; restart it with --model-control-mode=explicit "
+            "(and --load-model='*' to load every model at start)")
 
 
 def _reload_error(e: Exception) -> str:
     """A failed load's message, with what to do where the server's model control is off."""
     text = _msg(e)
-    return f"{text} ({CONTROL_OFF_HINT})" if _CONTROL_OFF_TEXT in text else text
+    return f"{text} ({control_off_text()})" if _CONTROL_OFF_TEXT in text else text
 
 
 # ---- what a refusal means ---------------------------------------------------------------------
@@ -324,7 +329,7 @@ def explain_error(e: BaseException, where: str, key_sent: bool, key_env: str = "
         return (f"the server at {where} refused the key sent in header '{header}' (its repository API is restricted "
                 f"to another key): check ${key_env} against the key file that serve printed")
     if kind == CONTROL_OFF:
-        return f"the server at {where} takes no model loads: {CONTROL_OFF_WHY}; {CONTROL_OFF_FIX}"
+        return control_off_text(where)
     if kind == UNREACHABLE:
         return f"cannot reach the server at {where}: {text}"
     return f"the server at {where} answered with an error: {text}"

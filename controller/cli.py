@@ -457,7 +457,8 @@ def _check_repository_access(server: ServerConfig, headers: dict, dry_run: bool 
     """Repository calls before the loop starts, so that a refused key, or a server that takes no model loads (not in
     explicit model-control mode: every change would fail), is one clear line, not a log loop. A dry run changes
     nothing, so a server without model control only gets a warning there."""
-    from .actuation import CONTROL_OFF_FIX, CONTROL_OFF_WHY, RESTRICTED, WRONG_KEY, TritonControl, classify_error, explain_error
+    from .actuation import (CONTROL_OFF_WHY, RESTRICTED, WRONG_KEY, TritonControl, classify_error, control_off_text,
+                            explain_error)
     control = TritonControl(server.grpc_url, server.http_url, server.control_protocol, headers, timeout_s=server.timeout_s)
     where = server.grpc_url if server.control_protocol == "grpc" else server.http_url
     try:
@@ -471,8 +472,7 @@ def _check_repository_access(server: ServerConfig, headers: dict, dry_run: bool 
         control.close()
     if not takes_loads:
         if not dry_run:
-            raise ServerError(f"the server at {where} takes no model loads: {CONTROL_OFF_WHY}; {CONTROL_OFF_FIX}, or "
-                              "run with --dry-run to only watch and decide")
+            raise ServerError(f"{control_off_text(where)}, or run with --dry-run to only watch and decide")
         log.warning("the server at %s takes no model loads: %s (a dry run changes nothing, so it goes on)", where,
                     CONTROL_OFF_WHY)
 

@@ -399,14 +399,14 @@ class ServiceTimes:
             if _executions(old_stats) - self._settle_base < self.settle_executions * settings.instance_count:
                 self.settling += 1
                 self._add_sizes(self._left_out, deltas)
-                self._note_sizes(deltas)
+                for size in deltas:
+                    self._note_size(size)
                 return
             self._settle_base = None
             self._run_record = {b: (n, ns) for b, (n, ns) in self._left_out.items()}
             if self._run_record:
                 self._settles.append((settings, self._run_record))
-        new = {b: d for b, d in deltas.items() if b not in self._sizes_run and d[0] > 0}
-        new = {b: d for b, d in new.items() if self._note_sizes((b,))}
+        new = {b: d for b, d in deltas.items() if b not in self._sizes_run and d[0] > 0 and self._note_size(b)}
         if new and self.settle_executions > 0 and self._run_record is not None:
             self.new_sizes += len(new)
             if not self._run_record:           # why: the settle left nothing out; a reading to hold these
@@ -438,17 +438,16 @@ class ServiceTimes:
             return
         seed = batch_deltas(StatsCounters(), stats)
         self._add_sizes(self._left_out, seed)
-        self._note_sizes(seed)
+        for size in seed:
+            self._note_size(size)
 
-    def _note_sizes(self, sizes) -> bool:
-        """Record `sizes` as run since the baseline, while fewer than `max_sizes` are (why: garbage stats with
-        thousands of sizes must not grow memory); whether the last of them is now recorded."""
-        noted = False
-        for size in sizes:
-            noted = size in self._sizes_run or len(self._sizes_run) < self.max_sizes
-            if noted:
-                self._sizes_run.add(size)
-        return noted
+    def _note_size(self, size: int) -> bool:
+        """Record `size` as run since the baseline, while fewer than `max_sizes` are (why: garbage stats with
+        thousands of sizes must not grow memory); whether it is recorded."""
+        if size in self._sizes_run or len(self._sizes_run) < self.max_sizes:
+            self._sizes_run.add(size)
+            return True
+        return False
 
     def _accumulate(self, settings: Settings, deltas: dict[int, tuple[int, int]], now: float) -> None:
         sums = self._sums.pop(settings, None)

@@ -156,8 +156,10 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
 
 # ---- text ---------------------------------------------------------------------------------------
 
-NOW_WHY = {"no_samples": "no data yet", "scrape_failed": "the metrics scrape failed (check server.metrics_url, and that the server "
-                                                   "runs with metrics on: --allow-metrics=true, its default)", "too_few_samples": "collecting data",
+NOW_WHY = {"no_samples": "no data yet",
+           "scrape_failed": "the metrics scrape failed (check server.metrics_url, and that the server runs with "
+                            "metrics on: --allow-metrics=true, its default)",
+           "too_few_samples": "collecting data",
            "span_too_short": "collecting data since the last change", "server_unreachable": "the server does not answer"}
 
 

@@ -37,7 +37,6 @@ class ServeProcess:
         self.command = [sys.executable, "-m", "controller", "serve", *args]
         self.cwd, self.env = cwd, dict(env) if env is not None else None
         self.proc: subprocess.Popen | None = None
-        self.startup: list[str] = []              # every line up to and including "controller managing"
         self.decision_log: str | None = None      # as serve printed it ("decision log: PATH")
         self._tail: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self._lock = threading.Lock()
@@ -47,7 +46,6 @@ class ServeProcess:
                                      stderr=subprocess.STDOUT, text=True)
         try:
             for line in self.proc.stdout:
-                self.startup.append(line.rstrip("\n"))
                 self._tail.append(line)
                 if "decision log: " in line:
                     path = line.rsplit("decision log: ", 1)[1].strip()
