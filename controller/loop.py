@@ -81,6 +81,7 @@ class ManagedModel:
     last_decision: Decision | None = None
     last_change: dict | None = None                     # the last applied (or failed) change, for status
     reachable: bool = True
+    not_loaded: str | None = None                        # the server answers but does not serve it: its index state
     pending: PendingChange | None = None
     history: list[dict] = field(default_factory=list)   # recent decision records, newest last
     capacity: "capacity_mod.Capacity | None" = None      # the fleet scaler's figure (controller/capacity.py) ...
@@ -238,26 +239,55 @@ class Controller:
         """The models to manage: those in the config, else every READY model on the server."""
         if self.config.models:
             return list(self.config.models)
-        return sorted(m["name"] for m in self.control.repository_index() if m.get("state") == "READY")
+        return sorted(self._ready_on_server())
+
+    def _ready_on_server(self) -> set[str]:
+        return {m["name"] for m in self.control.repository_index() if m.get("state") == "READY"}
 
     def _discover(self, now: float) -> None:
         """Add the models to manage that are not managed yet: the config's at the first tick; without a `models:`
         section, every model READY on the server, asked again every DISCOVER_EVERY_S, so that a model loaded later
-        is managed too. Until one is READY, say once that there is nothing to manage (a server started without
-        --load-model, a model still loading), rather than run silently on nothing."""
-        names = self.discover()
+        is managed too, and one the server no longer serves is let go (_let_go). Until one is READY, say once that
+        there is nothing to manage (a server started without --load-model, a model still loading), rather than run
+        silently on nothing."""
+        ready = None if self.config.models else self._ready_on_server()
+        names = list(self.config.models) if ready is None else sorted(ready)
         later = bool(self.models)            # why: the models found at the start are announced by their kind lines
         self._discovered_at = now
+        if ready is not None:
+            self._let_go(ready)
         for name in names:
             if name not in self.models:
                 if later:
                     log.info("%s: READY on the server; managing it too", name)
                 self.add_model(name, now)
-        if not self.models and not self._said_nothing_ready:
+        if self.models:
+            self._said_nothing_ready = False        # why: said again if the set empties later (models unloaded)
+        elif not self._said_nothing_ready:
             self._said_nothing_ready = True
-            log.warning("no model is READY on the server yet, so nothing to manage; each model that becomes READY is "
+            log.warning("no model is READY on the server %s, so nothing to manage; each model that becomes READY is "
                         "managed (load them with --load-model='*' or the repository API, or name them under models: "
-                        "in the config)")
+                        "in the config)", "now" if later else "yet")
+
+    def _let_go(self, ready: set[str]) -> None:
+        """Without a `models:` section, stop managing a model the server no longer serves (an operator unloaded it):
+        not READY on the index now, and its last config read found it not loaded (mm.not_loaded, so two readings
+        agree), no change of ours in flight, not a step of a managed ensemble (which would take it back at once).
+        It is managed afresh once READY again. A model named under `models:` is held instead ("HoldNotLoaded")."""
+        steps = {s for mm in self.models.values() if mm.kind is not None and mm.kind.ensemble and mm.name in ready
+                 for s in mm.kind.steps}
+        for name, mm in list(self.models.items()):
+            if name in ready or name in steps or mm.pending is not None or mm.not_loaded is None:
+                continue
+            log.info("%s: not loaded on the server (%s); no longer managed (managed again once it is READY)", name,
+                     mm.not_loaded)
+            del self.models[name]
+            self._seen.pop(name, None)
+            actuator = self._actuators.pop(name, None)
+            if actuator is not None and actuator.control is not self.control:
+                actuator.control.close()
+            self.traces.forget(name)
+            self.metrics.forget(name)
 
     def add_model(self, name: str, now: float) -> ManagedModel:
         limits = self.config.limits_for(name)
@@ -276,9 +306,12 @@ class Controller:
         try:
             cfg = self.control.config(mm.name)
         except Exception as e:  # noqa: BLE001 - unreachable server or unloaded model: no data this tick
-            if mm.reachable:
+            why = self._not_loaded(mm.name)
+            if why is not None and why != mm.not_loaded:
+                log.warning("%s: not loaded on the server (%s); holding until it is READY", mm.name, why)
+            elif why is None and (mm.reachable or mm.not_loaded is not None):
                 log.warning("%s: cannot read live config (%s); holding until it answers", mm.name, _short(e))
-            mm.reachable = False
+            mm.reachable, mm.not_loaded = False, why
             return False
         live = settings_of(cfg)
         self._adopt_kind(mm, cfg)
@@ -289,7 +322,8 @@ class Controller:
         if not mm.reachable:
             # why: the server may have restarted (counters reset, instances fresh): nothing learned before
             # the gap is trusted; a full window of warm-up (scale-ups only) like at start
-            adopted = f"server answers again; live config {_fmt(live)}"
+            back = "READY on the server now" if mm.not_loaded else "server answers again"
+            adopted = f"{back}; live config {_fmt(live)}"
         elif mm.current is not None and live != mm.current:
             adopted = f"live config changed outside the controller ({_fmt(mm.current)} -> {_fmt(live)})"
         if adopted:
@@ -297,8 +331,25 @@ class Controller:
             mm.state = policy.restarted_state(mm.state, now)
             mm.observer.mark_change(now)
         mm.current = live
-        mm.reachable = True
+        mm.reachable, mm.not_loaded = True, None
         return True
+
+    def _not_loaded(self, name: str) -> str | None:
+        """Why a model's config could not be read while the server answers: its state on the repository index
+        ("UNAVAILABLE: unloaded"; "never loaded" for a model of the repository that has no state;
+        "not in the server's repository"). None when the index does not answer either (the server is away) or lists
+        the model READY (some other error)."""
+        try:
+            index = self.control.repository_index()
+        except Exception:  # noqa: BLE001 - the server is away: the caller says so
+            return None
+        entry = next((m for m in index if m.get("name") == name), None)
+        if entry is None:
+            return "not in the server's repository"
+        state = entry.get("state") or "never loaded"
+        if state == "READY":
+            return None
+        return f"{state}: {entry['reason']}" if entry.get("reason") else state
 
     def _adopt_kind(self, mm: ManagedModel, cfg: dict) -> None:
         """What the model is and which knobs apply (modelkind.py), logged once and again if it changes."""
@@ -418,8 +469,13 @@ class Controller:
             return Decision(mm.pending.decision.target, "HoldReloading", valid=False), Observation(valid=False)
         if not self._refresh_live(mm, now):
             mm.observer.add_scrape(now, counters, None, None)
-            self._record(mm, Decision(mm.current or Settings(0, 0), "HoldServerUnreachable", valid=False),
-                         Observation(valid=False, invalid_reason="server_unreachable"), now, "hold")
+            if mm.not_loaded is not None:
+                self._record(mm, Decision(mm.current or Settings(0, 0), "HoldNotLoaded", detail=mm.not_loaded,
+                                          valid=False),
+                             Observation(valid=False, invalid_reason="not_loaded"), now, "hold")
+            else:
+                self._record(mm, Decision(mm.current or Settings(0, 0), "HoldServerUnreachable", valid=False),
+                             Observation(valid=False, invalid_reason="server_unreachable"), now, "hold")
             return None
         mm.observer.add_scrape(now, counters, None if stats is None else stats.get(mm.name), mm.current)
         on_device = not self._simulating or self.simulated.hosts(counters)

@@ -420,6 +420,12 @@ class TraceFeed:
         s = self.sampling.get(model)
         return "on (not yet set)" if s is None else f"on, 1 in {s.rate} requests"
 
+    def forget(self, model: str) -> None:
+        """A model no longer managed (unloaded): nothing to turn off, and its setting is asked afresh if it returns."""
+        self.sampling.pop(model, None)
+        self._checked_at.pop(model, None)
+        self._failing.discard(model)
+
     def stop(self) -> None:
         """Turn off what we turned on, so that files do not pile up with nobody reading them."""
         for model in list(self.sampling):

@@ -158,6 +158,12 @@ class ControllerMetrics:
             self._pod_known = True
         self.pod_capacity.set(value)
 
+    def forget(self, model: str) -> None:
+        """A model no longer managed: its gauges go (a stale instance count would read as live); counters stay."""
+        for g in (self.instances, self.delay, self.p99):
+            _remove(g, model)
+        self.capacity_of(model, None)
+
     def decision(self, model: str, reason: str) -> None:
         self.decisions.labels(model, reason).inc()
 

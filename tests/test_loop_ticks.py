@@ -66,6 +66,7 @@ class FakeControl:
     def __init__(self, names: list[str]):
         self.configs = {n: model_config(n) for n in names}
         self.down = False
+        self.unloaded: set[str] = set()      # in the repository, UNAVAILABLE (an operator unloaded it)
         self.gates: dict[str, threading.Event] = {}
         self.loads: list[tuple[str, Settings]] = []
         self.lock = threading.Lock()
@@ -73,6 +74,8 @@ class FakeControl:
     def config(self, model):
         if self.down:
             raise ConnectionError("connection refused")
+        if model in self.unloaded:
+            raise RuntimeError(f"Request for unknown model: '{model}' has no available versions")
         with self.lock:
             return copy.deepcopy(self.configs[model])
 
@@ -89,7 +92,10 @@ class FakeControl:
         return True
 
     def repository_index(self):
-        return [{"name": n, "state": "READY"} for n in self.configs]
+        if self.down:
+            raise ConnectionError("connection refused")
+        return [{"name": n, "state": "UNAVAILABLE", "reason": "unloaded"} if n in self.unloaded
+                else {"name": n, "state": "READY"} for n in self.configs]
 
     def close(self):
         pass
@@ -489,6 +495,98 @@ def test_without_a_models_section_each_model_that_becomes_ready_is_managed(caplo
     said = [r.getMessage() for r in caplog.records if "managing it too" in r.getMessage()]
     assert said == ["b: READY on the server; managing it too"], said      # not "a", found when none was managed
     assert ctl.models["b"].last_decision is not None                   # it is decided on like the first
+
+
+def test_a_named_model_the_operator_unloads_is_held_as_not_loaded_not_as_an_unreachable_server(caplog):
+    """The server answers but no longer serves the model: the hold says so, with the index's state, in one log
+    line (not "cannot read live config ... until it answers"), and its return is adopted with a window of warm-up."""
+    import logging
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    clock = Clock()
+    ctl, control, scraper = make(["m"], {"m": FakeModel(50, 5, 4)}, clock)
+    run_ticks(ctl, clock, 6)
+    mm = ctl.models["m"]
+    assert mm.last_decision.reason == "HoldSteady"
+    control.unloaded.add("m")
+    run_ticks(ctl, clock, 3)
+    assert not mm.reachable and mm.last_decision.reason == "HoldNotLoaded"
+    assert mm.last_decision.detail == "UNAVAILABLE: unloaded"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("m: ")]
+    assert said[-1] == "m: not loaded on the server (UNAVAILABLE: unloaded); holding until it is READY", said
+    assert not any("cannot read live config" in x for x in said)
+    shown = ctl.status_snapshot()["models"]["m"]
+    assert (shown["reason"], shown["detail"], shown["reachable"]) == ("HoldNotLoaded", "UNAVAILABLE: unloaded", False)
+    assert "m" in ctl.models                                  # named under models: it stays managed, held
+    control.unloaded.discard("m")
+    scraper.models["m"] = FakeModel(50, 5, 4)               # a fresh load: counters from zero
+    back_at = clock.t
+    run_ticks(ctl, clock, 1)
+    assert mm.reachable and mm.not_loaded is None and mm.observer.changed_at == back_at
+    assert any(r.getMessage().startswith("m: READY on the server now; live config 1 inst/0 us") for r in caplog.records)
+    control.down = scraper.down = True                        # the server itself away: said as before
+    run_ticks(ctl, clock, 2)
+    assert mm.last_decision.reason == "HoldServerUnreachable"
+    assert any(r.getMessage().startswith("m: cannot read live config") for r in caplog.records)
+
+
+def test_without_a_models_section_a_model_the_operator_unloads_is_let_go_and_taken_back_when_loaded(caplog):
+    """`run` without `models:` manages what the server serves: an unloaded model leaves the managed set (and
+    /status, and its gauges) at the next listing, and comes back when it is READY again."""
+    import logging
+
+    from controller.loop import DISCOVER_EVERY_S
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    clock = Clock()
+    control = FakeControl(["a", "b"])
+    scraper = FakeScraper(clock, {"a": FakeModel(50, 5, 4), "b": FakeModel(20, 5, 4)})
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={})
+    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(ctl, clock, 6)
+    assert sorted(ctl.models) == ["a", "b"]
+    assert ctl.metrics.registry.get_sample_value("controller_instance_count", {"model": "b"}) == 1
+    control.unloaded.add("b")
+    del scraper.models["b"]
+    run_ticks(ctl, clock, int(DISCOVER_EVERY_S) + 1)
+    assert sorted(ctl.models) == ["a"]
+    assert sorted(ctl.status_snapshot()["models"]) == ["a"]
+    assert ctl.metrics.registry.get_sample_value("controller_instance_count", {"model": "b"}) is None
+    control.unloaded.add("a")
+    run_ticks(ctl, clock, int(DISCOVER_EVERY_S) + 1)
+    assert ctl.models == {}
+    assert sum("no model is READY on the server now" in r.getMessage() for r in caplog.records) == 1
+    control.unloaded.discard("a")
+    run_ticks(ctl, clock, 1)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("b: ")]
+    assert ("b: not loaded on the server (UNAVAILABLE: unloaded); no longer managed (managed again once it is "
+            "READY)") in said, said
+    control.unloaded.discard("b")
+    scraper.models["b"] = FakeModel(20, 5, 4)
+    run_ticks(ctl, clock, int(DISCOVER_EVERY_S) + 1)
+    assert sorted(ctl.models) == ["a", "b"] and ctl.models["b"].last_decision is not None
+    assert "b: READY on the server; managing it too" in [r.getMessage() for r in caplog.records]
+    assert not any("no model is READY on the server yet" in r.getMessage() for r in caplog.records)
+
+
+def test_a_step_of_a_managed_ensemble_is_not_let_go_while_its_ensemble_is_served():
+    """The ensemble would take its step back at the next tick: the step is held (HoldNotLoaded) instead, and both go
+    once the ensemble is unloaded too."""
+    from controller.loop import DISCOVER_EVERY_S
+    clock = Clock()
+    control = FakeControl(["s"])
+    control.configs["ens"] = {"name": "ens", "platform": "ensemble", "max_batch_size": 8,
+                              "ensemble_scheduling": {"step": [{"model_name": "s"}]}}
+    scraper = FakeScraper(clock, {"s": FakeModel(50, 5, 4)})
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={})
+    ctl = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(ctl, clock, 3)
+    assert sorted(ctl.models) == ["ens", "s"]
+    step = ctl.models["s"]
+    control.unloaded.add("s")
+    run_ticks(ctl, clock, int(2 * DISCOVER_EVERY_S) + 1)
+    assert ctl.models["s"] is step and step.last_decision.reason == "HoldNotLoaded"   # kept, not dropped and re-added
+    control.unloaded.add("ens")
+    run_ticks(ctl, clock, int(2 * DISCOVER_EVERY_S) + 1)
+    assert ctl.models == {}
 
 
 def test_a_models_section_is_the_whole_managed_set(caplog):
