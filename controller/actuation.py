@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from . import groups
 
 from .ownership import OwnerMark, mark_of, with_mark
+from .server import load_error_text
 from .types import Settings
 
 log = logging.getLogger("controller.actuation")
@@ -255,7 +256,7 @@ class Actuator:
 def _msg(e: Exception) -> str:
     text = getattr(e, "message", None)
     text = text() if callable(text) else text
-    return " ".join(str(text or e).split())[:500]
+    return load_error_text(str(text or e))[:500]     # one line; a Python model's traceback as "(at file(line))"
 
 
 _PROBE_MODEL = "triton-autotune-probe-no-such-model"     # a name no repository holds: takes_model_loads

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import secrets
@@ -218,6 +219,23 @@ def remove_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> int:
     return removed
 
 
+_FRAMES_RE = re.compile(r"\s*\bAt:\s*\n((?:[ \t]*\S[^\n]*\n?)+?)[ \t]*;?[ \t]*(?:\n|$)")
+
+
+def load_error_text(text: str) -> str:
+    """Triton's load error on one line. A Python backend's model that raised in `initialize` comes with the stub's
+    traceback block, "RuntimeError: no weights\n\nAt:\n  /repo/m/1/model.py(3): initialize\n;": the block becomes
+    "(at /repo/m/1/model.py(3): initialize)", its first frame (the one that raised; "+ N frames" when there are
+    more). Example: "...: Internal: RuntimeError: no weights (at /repo/m/1/model.py(3): initialize)"."""
+    def frames(m: re.Match) -> str:
+        lines = [ln.strip() for ln in m.group(1).splitlines() if ln.strip() and ln.strip() != ";"]
+        if not lines:
+            return " "
+        more = f" + {len(lines) - 1} frame{'s' if len(lines) > 2 else ''}" if len(lines) > 1 else ""
+        return f" (at {lines[0]}{more}) "
+    return " ".join(_FRAMES_RE.sub(frames, text).split())
+
+
 class TritonServer:
     """One tritonserver child process. Use as a context manager, or start()/stop()."""
 
@@ -358,7 +376,17 @@ class TritonServer:
                         continue
                     except ServerError as e:
                         log.warning("%s: its load with an override failed (%s); loading it from its file", name, e)
-                self.load_model(name)
+                try:
+                    self.load_model(name)
+                except ServerError as e:
+                    others = [n for n in names if n != name]
+                    if o.models is None and others:
+                        # why: one broken model of a user's repository stops it all, as tritonserver's own start does
+                        # (--exit-on-error); the way on without it is to name the others
+                        raise ServerError(f"{e}; serve loads every model of {repo} and stops when one fails, as "
+                                          f"tritonserver does: to serve the others, name them: --models "
+                                          f"{','.join(others)}") from None
+                    raise
         except BaseException:
             self.stop()
             raise
@@ -397,7 +425,7 @@ class TritonServer:
         body = None if config is None else {"parameters": {"config": json.dumps(config)}}
         status, body = self._http("POST", f"/v2/repository/models/{name}/load", body)
         if status != 200:
-            raise ServerError(f"model '{name}' failed to load: {body.get('error', body)}")
+            raise ServerError(f"model '{name}' failed to load: {load_error_text(str(body.get('error', body)))}")
 
     def log_tail(self, lines: int = 5) -> str:
         """The log's last error lines (else its last lines), joined on one line. Where the server aborted, its

@@ -20,7 +20,7 @@ import torch
 import tritonclient.http as http
 
 import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on sys.path)
-from conftest import ROOT, process_alive, start_server
+from conftest import ROOT, process_alive, sim_copy, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.ownership import mark_of
 from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, remove_shm_regions,
@@ -245,6 +245,35 @@ def test_model_that_fails_to_load_is_a_clear_error(tmp_path):
     (repo / "broken" / "1" / "model.py").write_text("raise RuntimeError('this model cannot load')\n")
     with pytest.raises(ServerError, match="model 'broken' failed to load"):
         start_server(["broken"], repository=repo)
+
+
+def test_a_model_whose_initialize_raises_is_one_line_naming_where_and_how_to_serve_the_others(tmp_path):
+    """A user's repository with one broken model: the server's answer carries the stub's Python traceback over
+    several lines ("At:" and its frames); serve's error is one line with the raising frame, and says how to serve
+    the other models (it stops, as tritonserver does with --exit-on-error)."""
+    repo = tmp_path / "repo"
+    sim_copy(repo, "good", {})
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\nmax_batch_size: 0\n'
+                                                  'input [{name: "X", data_type: TYPE_FP32, dims: [1]}]\n'
+                                                  'output [{name: "Y", data_type: TYPE_FP32, dims: [1]}]\n')
+    (repo / "broken" / "1" / "model.py").write_text(
+        "class TritonPythonModel:\n    def initialize(self, args):\n"
+        "        raise RuntimeError('weights file missing')\n")
+    with pytest.raises(ServerError) as e:
+        start_server(None, repository=repo)
+    text = str(e.value)
+    assert "\n" not in text, text
+    assert "RuntimeError: weights file missing (at " in text and "model.py(3): initialize)" in text, text
+    assert text.endswith("to serve the others, name them: --models good"), text
+
+
+def test_a_load_errors_python_traceback_becomes_its_first_frame():
+    from controller.server import load_error_text
+    two = "load failed: Internal: ValueError: bad\n\nAt:\n  /a/lib.py(10): load\n  /m/1/model.py(5): initialize\n;\n"
+    assert load_error_text(two) == "load failed: Internal: ValueError: bad (at /a/lib.py(10): load + 1 frame)"
+    assert load_error_text("plain\nmessage  here") == "plain message here"
+    assert load_error_text("a path At: b") == "a path At: b"          # no frames block: only the spaces change
 
 
 def _serve(model: str, lines: list[str], env: dict | None = None, *more: str) -> tuple[subprocess.Popen, int]:
