@@ -94,6 +94,7 @@ class ManagedModel:
     kind: "modelkind.ModelKind | None" = None            # what the live config says the model is (modelkind.py)
     per_device: dict[str, int] = field(default_factory=dict)   # live instances per device (groups.py)
     target_from: "ensemble.StepTarget | None" = None    # set while an ensemble's target is passed to it
+    sequences_kept: bool = False                         # a sequence batcher's floor follows its live count
 
     @property
     def last_obs(self) -> Observation | None:
@@ -360,12 +361,29 @@ class Controller:
         if not kind.delay and mm.limits.max_delay_us:
             mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
         mm.per_device = groups.instances_per_device(cfg)
+        self._keep_sequences(mm, kind, cfg)
         floor = groups.min_total(cfg)
         if kind.instances and mm.limits.min_instances < floor:
             # why: the controller keeps one instance on each device the user's instance groups name
             log.info("%s: instance groups on %d devices (%s): at least %d instances", mm.name, floor,
                      ", ".join(mm.per_device), floor)
             mm.limits = dataclasses.replace(mm.limits, min_instances=floor, max_instances=max(mm.limits.max_instances, floor))
+
+    def _keep_sequences(self, mm: ManagedModel, kind: "modelkind.ModelKind", cfg: dict) -> None:
+        """A stateful model (sequence batcher): its floor is its live count, so that no path (the policy, the
+        planner, the arbiter's moves) removes an instance, which would end the live sequences it holds; unless
+        the model's `sequence_scale_down: true` (modelkind.py has the measurements)."""
+        if not (kind.sequence_batching and kind.instances) or self.config.limits_for(mm.name).sequence_scale_down:
+            return
+        live = settings_of(cfg).instance_count
+        if not mm.sequences_kept:
+            mm.sequences_kept = True
+            log.info("%s: a sequence batcher (stateful): instances are only added, never removed, since a removed "
+                     "instance ends the live sequences it holds (and a full reload ends all); set "
+                     "sequence_scale_down: true under the model to allow it", mm.name)
+        if live > mm.limits.min_instances:
+            mm.limits = dataclasses.replace(mm.limits, min_instances=live,
+                                            max_instances=max(mm.limits.max_instances, live))
 
     def _pass_ensemble_targets(self, now: float) -> None:
         """An ensemble's p99 target to the step that holds its latency (ensemble.py); its steps are managed too."""
@@ -613,6 +631,8 @@ class Controller:
         if not self.config.loop.owner_mark or self.config.loop.dry_run or v is None or v.state == MINE \
                 or not v.may_act or not decision.valid or not obs.valid or decision.reason in _NOT_QUIET:
             return False
+        if mm.kind is not None and mm.kind.sequence_batching:
+            return False     # why: the claim's full reload would end every live sequence (modelkind.py)
         if any(o.pending is not None for o in self.models.values()) or now < mm.state.backoff_until \
                 or not policy.full_reload_fits(mm.current, mm.limits, mm.state, obs):
             return False

@@ -15,7 +15,14 @@
 * **no batching** (`max_batch_size: 0`): instances only; the delay knob does not exist.
 * **batching without `dynamic_batching`** (e.g. `sequence_batching`): instances only; the controller does
   not add a dynamic batcher the user did not write.
-* otherwise: instances and the batching delay.
+* **a sequence batcher** (stateful: `sequence_batching`): instances are **only added** unless the model's
+  `sequence_scale_down: true`, and it is never claimed with a full reload (loop._claim_now). Measured on 2.51
+  (an accumulator per sequence held in the instance, 6-8 live sequences, each request checked): a full reload
+  ended all 6 live sequences (their next request: "must specify the START flag on the first request of the
+  sequence"); of 11 in-place scale-downs (3 -> 1, 2 -> 1) one ended 2 of its 6 (the others kept every sequence
+  on its instance); no in-place scale-up ended any. Those refusals are counted in no
+  `nv_inference_request_failure` series, so the controller could not even see the requests it lost. A repair
+  (a crashed instance: a full reload) still happens: the dead instance's sequences are lost already.
 
 A Python model that calls other models (BLS) has the same config as any Python model, so it cannot be told
 apart here: it is managed like any other (its compute time includes the time of the models it calls; the
@@ -92,7 +99,8 @@ class ModelKind:
         if self.max_batch_size <= 0:
             return "instances only: no batching (max_batch_size 0), so no batching delay"
         if self.sequence_batching:
-            return "instances only: a sequence batcher, not a dynamic one"
+            return ("instances only, added but not removed (unless sequence_scale_down: true): a sequence batcher "
+                    "(stateful), not a dynamic one")
         return "instances only: no dynamic_batching section (the controller does not add one)"
 
     def describe(self) -> str:

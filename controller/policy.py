@@ -434,6 +434,10 @@ def review_step(obs: Observation, current: Settings, state: PolicyState, limits:
         return state, None
     back = step.before.instance_count
     state = dataclasses.replace(state, saturated_at=back, saturated_until=now + SATURATION_MEMORY_S)
+    if back < limits.min_instances:
+        # why: the floor rose since (a stateful model's floor is its live count: loop._keep_sequences); saturated,
+        # the ceiling is the floor, so no more instances are added, and none is removed
+        return state, None
     return state, Decision(
         target=dataclasses.replace(current, instance_count=back), reason="ScaleDownNoGain",
         detail=f"{back}->{current.instance_count} instances gave {gain * 100:+.1f}% throughput "

@@ -386,6 +386,49 @@ def test_claim_waits_for_a_quiet_tick_then_marks_and_later_loads_keep_the_mark()
     ctl.close()
 
 
+def _stateful(control, name: str, count: int) -> None:
+    control.configs[name] = {"name": name, "max_batch_size": 8,
+                             "instance_group": [{"count": count, "kind": "KIND_CPU"}],
+                             "sequence_batching": {"max_sequence_idle_microseconds": 5000000}}
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_stateful_model_only_gains_instances_unless_its_scale_down_is_allowed(allowed, caplog):
+    """A sequence batcher: a removed instance ends the live sequences it holds (measured on 2.51: modelkind.py), so
+    the live count is the floor: a scale-up under pressure, then no scale-down when the load falls, and no claim
+    (a full reload). With `sequence_scale_down: true` the same ticks scale it down (the control arm)."""
+    import logging
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    clock = Clock()
+    limits = dataclasses.replace(HOT, scale_down_delay_s=2.0, sequence_scale_down=allowed)
+    models = {"m": FakeModel(50, 5, 4)}
+    ctl, control, scraper = make(["m"], models, clock, limits=limits, loop=dataclasses.replace(LOOP, owner_mark=True))
+    ctl.set_status_url("http://127.0.0.1:1/status")
+    _stateful(control, "m", 2)
+
+    def ticks(n):
+        for _ in range(n):
+            run_ticks(ctl, clock, 1)
+            ctl.wait_for_pending()
+    ticks(30)                                            # light load at 2 instances
+    mm = ctl.models["m"]
+    lowest = min(n for _, n in [(0, 2)] + [(m, st.instance_count) for m, st in control.loads])
+    if allowed:
+        assert lowest == 1, control.loads                   # the same ticks remove an instance when allowed
+        return
+    assert control.loads == [] and mm.current == Settings(2, 0) and mm.limits.min_instances == 2, control.loads
+    assert any("a sequence batcher (stateful): instances are only added" in r.getMessage() for r in caplog.records)
+    scraper.models["m"] = FakeModel(300, 30, 5, pending=4)   # pressure: it may grow
+    ticks(12)
+    grown = mm.current.instance_count
+    assert grown > 2 and all(st.instance_count >= 2 for _, st in control.loads), control.loads
+    scraper.models["m"] = FakeModel(20, 5, 4)               # quiet again: it keeps what it has
+    ticks(30)
+    assert mm.current.instance_count == grown and mm.limits.min_instances == grown
+    assert [st.instance_count for _, st in control.loads] == sorted(st.instance_count for _, st in control.loads)
+    ctl.close()
+
+
 class FailingModel(FakeModel):
     """A model one of whose instances is dead: `fail_rps` of its requests fail (reason BACKEND)."""
 
