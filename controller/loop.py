@@ -559,8 +559,10 @@ class Controller:
         the ceiling, else every PREDICTED_EVERY_S). Without a valid observation the last figure stays for up to
         CAPACITY_STALE_WINDOWS windows, then goes (absent)."""
         p = mm.predicted
+        # why: a planner set aside (its p99 far from the observed one, or too little data) is not trusted with the
+        # fleet scaler's figure either (a stateful model's sequence slots: 12x off, its capacity read 1.6%)
         planned = (p["at_ceiling_rps"] if p is not None and p["live"] == mm.current and p["ceiling"] == ceiling
-                   else None)
+                   and decision.mode != "fallback" else None)
         cap = capacity_mod.utilization(obs, mm.current, ceiling, mm.limits.p99_target_ms, mm.state.perf,
                                        decision.held_by, planned_capacity_rps=planned)
         if cap is not None:

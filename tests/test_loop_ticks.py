@@ -508,8 +508,27 @@ def test_the_fleet_scalers_capacity_at_the_ceiling_is_the_planners_not_a_linear_
     linear = 150.0 / (mm.last_obs.p99_ms / 40.0) * 8
     assert cap.capacity_rps != pytest.approx(linear, rel=0.01)
     assert cap.utilization == pytest.approx(150.0 / cap.capacity_rps)
-    # the busy figure came from the statistics: 150 items/s in 50 + 50 executions/s of 6 and 7.5 ms = 0.675 s/s
-    assert mm.last_obs.busy_source == "batch_stats" and mm.last_obs.busy_fraction == pytest.approx(0.675, rel=0.02)
+
+
+def test_the_fleet_scalers_capacity_is_not_the_planners_while_the_planner_is_set_aside():
+    """A planner set aside (its p99 far from the observed one, or too little data: mode "fallback") is not trusted
+    with the exported capacity either: a stateful model's sequence slots made it 12x off, and its capacity read
+    1.6% of the pod's. The same tick, in mode "model", exports the planner's figure."""
+    from controller.types import Decision
+    clock = Clock()
+    fm = FakeModel(rps=150.0, latency_ms=12.0, compute_ms=8.0)
+    control = FakeControl(["m"])
+    scraper = StatsScraper(clock, {"m": fm})
+    limits = ModelLimits(p99_target_ms=40.0, max_instances=8, scale_up_cooldown_s=0.0, max_delay_us=0)
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={"m": limits})
+    c = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    run_ticks(c, clock, 12)
+    mm = c.models["m"]
+    assert mm.predicted is not None and mm.predicted["at_ceiling_rps"]
+    for mode, planner_figure in (("fallback", False), ("model", True)):
+        c._update_capacity(mm, mm.last_obs, Decision(mm.current, "HoldSteady", mode=mode), 8, clock.t)
+        assert (mm.capacity.source == "planner") is planner_figure, (mode, mm.capacity)
+        assert (mm.capacity.capacity_rps == pytest.approx(mm.predicted["at_ceiling_rps"])) is planner_figure
 
 
 def test_without_a_models_section_each_model_that_becomes_ready_is_managed(caplog):
