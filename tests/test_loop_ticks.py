@@ -488,16 +488,19 @@ class StatsScraper(FakeScraper):
         return out
 
 
-def test_the_fleet_scalers_capacity_at_the_ceiling_is_the_planners_not_a_linear_extrapolation():
+def _fleet_model() -> tuple[Controller, Clock, object]:
+    """One model at 150 req/s of 12-ms requests with measured batch statistics (the planner's inputs), 12 ticks in."""
     clock = Clock()
-    fm = FakeModel(rps=150.0, latency_ms=12.0, compute_ms=8.0)
-    control = FakeControl(["m"])
-    scraper = StatsScraper(clock, {"m": fm})
+    scraper = StatsScraper(clock, {"m": FakeModel(rps=150.0, latency_ms=12.0, compute_ms=8.0)})
     limits = ModelLimits(p99_target_ms=40.0, max_instances=8, scale_up_cooldown_s=0.0, max_delay_us=0)
     cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={"m": limits})
-    c = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
+    c = Controller(cfg, control=FakeControl(["m"]), scraper=scraper, clock=clock, traces=TraceFeed(None))
     run_ticks(c, clock, 12)
-    mm = c.models["m"]
+    return c, clock, c.models["m"]
+
+
+def test_the_fleet_scalers_capacity_at_the_ceiling_is_the_planners_not_a_linear_extrapolation():
+    c, clock, mm = _fleet_model()
     assert mm.current == Settings(1, 0) and mm.predicted is not None
     cap = mm.capacity
     assert cap is not None and cap.ceiling == 8 and cap.source == "planner"
@@ -515,15 +518,7 @@ def test_the_fleet_scalers_capacity_is_not_the_planners_while_the_planner_is_set
     with the exported capacity either: a stateful model's sequence slots made it 12x off, and its capacity read
     1.6% of the pod's. The same tick, in mode "model", exports the planner's figure."""
     from controller.types import Decision
-    clock = Clock()
-    fm = FakeModel(rps=150.0, latency_ms=12.0, compute_ms=8.0)
-    control = FakeControl(["m"])
-    scraper = StatsScraper(clock, {"m": fm})
-    limits = ModelLimits(p99_target_ms=40.0, max_instances=8, scale_up_cooldown_s=0.0, max_delay_us=0)
-    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={"m": limits})
-    c = Controller(cfg, control=control, scraper=scraper, clock=clock, traces=TraceFeed(None))
-    run_ticks(c, clock, 12)
-    mm = c.models["m"]
+    c, clock, mm = _fleet_model()
     assert mm.predicted is not None and mm.predicted["at_ceiling_rps"]
     for mode, planner_figure in (("fallback", False), ("model", True)):
         c._update_capacity(mm, mm.last_obs, Decision(mm.current, "HoldSteady", mode=mode), 8, clock.t)
