@@ -23,6 +23,7 @@
   on its instance); no in-place scale-up ended any. Those refusals are counted in no
   `nv_inference_request_failure` series, so the controller could not even see the requests it lost. A repair
   (a crashed instance: a full reload) still happens: the dead instance's sequences are lost already.
+* otherwise: instances and the batching delay.
 
 A Python model that calls other models (BLS) has the same config as any Python model, so it cannot be told
 apart here: it is managed like any other (its compute time includes the time of the models it calls; the
