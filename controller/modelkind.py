@@ -19,8 +19,9 @@
   `sequence_scale_down: true`, and it is never claimed with a full reload (loop._claim_now). Measured on 2.51
   (an accumulator per sequence held in the instance, 6-8 live sequences, each request checked): a full reload
   ended all 6 live sequences (their next request: "must specify the START flag on the first request of the
-  sequence"); of 11 in-place scale-downs (3 -> 1, 2 -> 1) one ended 2 of its 6 (the others kept every sequence
-  on its instance); no in-place scale-up ended any. Those refusals are counted in no
+  sequence"); of 11 in-place scale-downs (3 -> 1, 2 -> 1) one ended 2 of its 6 checked (the others kept every
+  sequence on its instance; 8 of them, that one included, ran beside up to 6 unchecked sequences more: see
+  docs/results.md); no in-place scale-up ended any. Those refusals are counted in no
   `nv_inference_request_failure` series, so the controller could not even see the requests it lost. A repair
   (a crashed instance: a full reload) still happens: the dead instance's sequences are lost already.
 * otherwise: instances and the batching delay.
