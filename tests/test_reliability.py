@@ -184,13 +184,14 @@ def test_server_restart_controller_holds_then_rereads_and_holds_a_full_window(tm
     summary = [(round(r["t"] - down_at, 1), r["action"], r["reason"]) for r in records]
     unreachable = [r for r in records if r["reason"] == "HoldServerUnreachable"]
     assert len(unreachable) == 1, summary
-    after = [r for r in records if r["t"] > unreachable[0]["t"]]
+    # a restarted server answers before its model is loaded: the controller may hold on that (HoldNotLoaded) first
+    after = [r for r in records if r["t"] > unreachable[0]["t"] and r["reason"] != "HoldNotLoaded"]
     assert after and after[0]["reason"] in ("HoldWarmup", "HoldNoData"), summary
     assert any(r["reason"] == "HoldWarmup" for r in after), summary
     assert not [r for r in records if r["action"] in ("applied", "failed", "dry_run")], summary
     messages = [r.getMessage() for r in caplog.records]
     assert sum("cannot read live config" in m for m in messages) == 1, messages
-    assert sum("answers again" in m for m in messages) == 1, messages
+    assert sum("answers again" in m or "READY on the server now" in m for m in messages) == 1, messages
     _no_traceback(caplog)
     assert back_at - up_at < 10
 
