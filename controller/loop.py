@@ -236,12 +236,6 @@ class Controller:
             return open_gpu_source(mode)      # "nvml" without NVML raises GpuUnavailable: the user asked for it
         return NullSource()
 
-    def discover(self) -> list[str]:
-        """The models to manage: those in the config, else every READY model on the server."""
-        if self.config.models:
-            return list(self.config.models)
-        return sorted(self._ready_on_server())
-
     def _ready_on_server(self) -> set[str]:
         return {m["name"] for m in self.control.repository_index() if m.get("state") == "READY"}
 
