@@ -35,7 +35,7 @@ from typing import Callable
 from . import capacity as capacity_mod
 from . import ensemble, groups, modelkind, planner, policy
 from .arbiter import ModelView, arbitrate
-from .actuation import Actuator, ApplyResult, TritonControl, settings_of
+from .actuation import UNREACHABLE, Actuator, ApplyResult, TritonControl, classify_error, settings_of
 from .config import ControllerConfig, ModelLimits
 from .decision_log import JsonLog
 from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
@@ -301,7 +301,8 @@ class Controller:
         try:
             cfg = self.control.config(mm.name)
         except Exception as e:  # noqa: BLE001 - unreachable server or unloaded model: no data this tick
-            why = self._not_loaded(mm.name)
+            # why: an unreachable server's index would only time out again (one more wait per model per tick)
+            why = None if classify_error(e, key_sent=False) == UNREACHABLE else self._not_loaded(mm.name)
             if why is not None and why != mm.not_loaded:
                 log.warning("%s: not loaded on the server (%s); holding until it is READY", mm.name, why)
             elif why is None and (mm.reachable or mm.not_loaded is not None):

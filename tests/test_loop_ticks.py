@@ -67,6 +67,7 @@ class FakeControl:
         self.configs = {n: model_config(n) for n in names}
         self.down = False
         self.unloaded: set[str] = set()      # in the repository, UNAVAILABLE (an operator unloaded it)
+        self.index_calls = 0
         self.gates: dict[str, threading.Event] = {}
         self.loads: list[tuple[str, Settings]] = []
         self.lock = threading.Lock()
@@ -92,6 +93,7 @@ class FakeControl:
         return True
 
     def repository_index(self):
+        self.index_calls += 1
         if self.down:
             raise ConnectionError("connection refused")
         return [{"name": n, "state": "UNAVAILABLE", "reason": "unloaded"} if n in self.unloaded
@@ -581,7 +583,9 @@ def test_a_named_model_the_operator_unloads_is_held_as_not_loaded_not_as_an_unre
     assert mm.reachable and mm.not_loaded is None and mm.observer.changed_at == back_at
     assert any(r.getMessage().startswith("m: READY on the server now; live config 1 inst/0 us") for r in caplog.records)
     control.down = scraper.down = True                        # the server itself away: said as before
+    calls = control.index_calls
     run_ticks(ctl, clock, 2)
+    assert control.index_calls == calls                      # and its index is not asked (it would only time out)
     assert mm.last_decision.reason == "HoldServerUnreachable"
     assert any(r.getMessage().startswith("m: cannot read live config") for r in caplog.records)
 
