@@ -77,7 +77,7 @@ class ModelObserver:
         self.settle_s = settle_s
         self.counters = ModelWindow(max_age_s=max(600.0, 3 * window_s))
         self.traces = TraceWindow(max_age_s=max(TRACE_MAX_AGE_S, 3 * window_s))
-        self.service = ServiceTimes()
+        self.service = ServiceTimes(settle_s=settle_s)
         self.changed_at = -math.inf    # the last applied or adopted change (the start is none: warm-up is the policy's)
         self.tail_ratio = DEFAULT_TAIL_RATIO
         self.tail_ratio_measured = False

@@ -47,6 +47,8 @@ COLD_START_RATIO = 1.25     # ... and this many times the curve's time for them
 COLD_START_SETTLES = 2      # ... in this many of the last COLD_START_KEPT settles: the model starts cold
 COLD_START_KEPT = 8
 SEED_SPAN_S = 5.0           # after a restart of the counters this recent, a settle's reading holds all since the load
+COLD_SETTLE_MARGIN = 1.5    # a settle also lasts this many times the longest cold start per instance read lately
+SETTLE_MAX_S = 60.0         # ... but no longer than this (executing) (why: one long stall must not blind the curve)
 
 
 @dataclass(frozen=True)
@@ -352,12 +354,13 @@ class ServiceTimes:
 
     def __init__(self, min_executions: float = MIN_EXECUTIONS, half_life_s: float | None = HALF_LIFE_S,
                  max_configs: int = MAX_CONFIGS, max_sizes: int = MAX_SIZES,
-                 settle_executions: int = SETTLE_EXECUTIONS) -> None:
+                 settle_executions: int = SETTLE_EXECUTIONS, settle_s: float = 0.0) -> None:
         self.min_executions = min_executions
         self.half_life_s = half_life_s
         self.max_configs = max(1, max_configs)
         self.max_sizes = max(1, max_sizes)
         self.settle_executions = max(0, settle_executions)
+        self.settle_s = settle_s if _is_time(settle_s) and settle_s > 0 else 0.0
         self.resets = 0
         self.straddles = 0
         self.settling = 0            # intervals left out after a new baseline (cold start)
@@ -365,9 +368,13 @@ class ServiceTimes:
         self._sizes_run: set[int] = set()   # the sizes run since the last baseline
         self._run_record: dict[int, tuple[float, float]] | None = None   # this baseline's settle reading, once kept
         self._settle_base: int | None = None    # executions at the last new baseline; None once settled
+        self._settle_floor_s = 0.0               # this settle's executing time to wait (`_restart_settle`)
+        self._settle_from: float | None = None   # the start of its first interval with executions
+        self._started = 0                        # instances this baseline started (for its cold reading)
         self._left_out: dict[int, list[float]] = {}   # size -> [executions, ns] left out since that baseline
-        # the last COLD_START_KEPT settles: (configuration, its left-out executions: size -> (executions, ns))
-        self._settles: deque[tuple[Settings, dict[int, tuple[float, float]]]] = deque(maxlen=COLD_START_KEPT)
+        # the last COLD_START_KEPT settles: (configuration, its left-out executions: size -> (executions, ns),
+        # instances it started)
+        self._settles: deque[tuple[Settings, dict[int, tuple[float, float]], int]] = deque(maxlen=COLD_START_KEPT)
         self._last: tuple[float, StatsCounters] | None = None   # the last sample with statistics, kept across gaps
         # per configuration, in least-recently-fed-first order: size -> [executions, compute ns]
         self._sums: dict[Settings, dict[int, list[float]]] = {}
@@ -383,20 +390,25 @@ class ServiceTimes:
         previous, self._baseline = self._baseline, (settings, stats)
         last, self._last = self._last, (now, stats)
         if previous is None:
-            self._restart_settle(stats, last, now)
+            self._restart_settle(settings, None, stats, last, now)
             return
         old_settings, old_stats = previous
         if old_settings != settings:
             self.straddles += 1
-            self._restart_settle(stats, last, now)
+            self._restart_settle(settings, old_settings, stats, last, now)
             return
         if counters_restarted(old_stats, stats):
             self.resets += 1
-            self._restart_settle(stats, last, now)
+            self._restart_settle(settings, None, stats, last, now)
             return
         deltas = batch_deltas(old_stats, stats)
         if self._settle_base is not None:
-            if _executions(old_stats) - self._settle_base < self.settle_executions * settings.instance_count:
+            started = last[0] if last is not None else now     # this interval's start
+            if self._settle_from is None and any(n > 0 for n, _ in deltas.values()):
+                self._settle_from = started
+            executing_s = 0.0 if self._settle_from is None else started - self._settle_from
+            if (_executions(old_stats) - self._settle_base < self.settle_executions * settings.instance_count
+                    or executing_s < self._settle_floor_s):
                 self.settling += 1
                 self._add_sizes(self._left_out, deltas)
                 for size in deltas:
@@ -405,12 +417,12 @@ class ServiceTimes:
             self._settle_base = None
             self._run_record = {b: (n, ns) for b, (n, ns) in self._left_out.items()}
             if self._run_record:
-                self._settles.append((settings, self._run_record))
+                self._settles.append((settings, self._run_record, self._started))
         new = {b: d for b, d in deltas.items() if b not in self._sizes_run and d[0] > 0 and self._note_size(b)}
         if new and self.settle_executions > 0 and self._run_record is not None:
             self.new_sizes += len(new)
             if not self._run_record:           # why: the settle left nothing out; a reading to hold these
-                self._settles.append((settings, self._run_record))
+                self._settles.append((settings, self._run_record, self._started))
             for b, (n, ns) in new.items():
                 had_n, had_ns = self._run_record.get(b, (0.0, 0.0))
                 self._run_record[b] = (had_n + n, had_ns + ns)
@@ -418,8 +430,17 @@ class ServiceTimes:
         if deltas:
             self._accumulate(settings, deltas, now)
 
-    def _restart_settle(self, stats: StatsCounters, last: tuple[float, StatsCounters] | None, now: float) -> None:
-        """A new baseline: the executions from here on are left out until the settle's count is reached.
+    def _restart_settle(self, settings: Settings, old_settings: Settings | None, stats: StatsCounters,
+                        last: tuple[float, StatsCounters] | None, now: float) -> None:
+        """A new baseline: the executions from here on are left out until the settle's count is reached and
+        they have run for `settle_floor_s()` (timed from the start of the first interval with executions).
+
+        Why the time too: the count is of executions as they *end*, and an in-place scale-up's new instance
+        starts cold while the warm ones go on. In the cold_start live test (800 ms on a new instance's first
+        execution, 90 req/s over two instances) the warm instance ended the 50 counted executions before the
+        new one's first ended, which then landed in the kept curve (CI: 8 executions of 3 items read 129 ms,
+        about 10 usual; once in 4 runs here: 362 of 1 item at 12.2 ms against 10.1). The executing time is
+        what a cold execution needs to end, whichever instance runs it.
 
         Where the counters restarted (a full reload, a restarted server) and the last sample with statistics is
         at most SEED_SPAN_S old, the settle's cold reading (not the curve) also gets every execution since the
@@ -430,11 +451,18 @@ class ServiceTimes:
         resnet_tiny's ran at 3.9x its curve while a second instance loaded (torch's import and warm-up), which
         is the machine's contention, not a cold start. Not after a long gap either (a restart long ago).
         """
+        restarted = last is not None and counters_restarted(last[1], stats)
+        if old_settings is not None and not restarted:      # in place: only the instances added are new
+            self._started = max(0, settings.instance_count - old_settings.instance_count)
+        else:                      # a load, or unknown (a gap may hide a reload): count every instance as new
+            self._started = settings.instance_count
+        self._settle_floor_s = self.settle_floor_s()
+        self._settle_from = None
         self._settle_base = _executions(stats)
         self._left_out = {}
         self._sizes_run = set()
         self._run_record = None
-        if last is None or not 0 <= now - last[0] <= SEED_SPAN_S or not counters_restarted(last[1], stats):
+        if last is None or not 0 <= now - last[0] <= SEED_SPAN_S or not restarted:
             return
         seed = batch_deltas(StatsCounters(), stats)
         self._add_sizes(self._left_out, seed)
@@ -520,7 +548,32 @@ class ServiceTimes:
 
     def settle_readings(self) -> list[dict[str, Any]]:
         """The readings of the last COLD_START_KEPT settles whose configuration has a curve, oldest first."""
-        return [r for s, left_out in self._settles if (r := self._settle_reading(s, left_out)) is not None]
+        return [r for s, left_out, _ in self._settles if (r := self._settle_reading(s, left_out)) is not None]
+
+    def cold_start_s(self) -> float:
+        """The longest cold start per new instance that a kept settle read (seconds; 0.0 if none read cold).
+
+        A settle reads cold as in `cold_start` (one such reading is enough here); its excess time over the curve
+        is spread over the instances it started (a load's instances start cold side by side; an in-place
+        scale-up starts only the added ones; a scale-down starts none and is skipped). Example: a load of one
+        instance whose left-out executions took 1,327 ms where the curve gives 462: 0.865 s.
+        """
+        longest = 0.0
+        for s, left_out, started in self._settles:
+            r = self._settle_reading(s, left_out) if started > 0 else None
+            if r is None or not _reads_cold(r):
+                continue
+            longest = max(longest, (r["ms"] - r["usual_ms"]) * r["executions"] / 1e3 / started)
+        return longest
+
+    def settle_floor_s(self) -> float:
+        """How long a settle's executions run before the curve takes them: `settle_s`, or COLD_SETTLE_MARGIN x
+        the longest cold start per instance read lately (`cold_start_s`) where that is longer, at most
+        SETTLE_MAX_S; 0.0 with `settle_executions=0` (no settle). Example: settle_s=3 and a cold start of
+        2.4 s read after the last load: 3.6 s."""
+        if self.settle_executions <= 0:
+            return 0.0
+        return min(SETTLE_MAX_S, max(self.settle_s, COLD_SETTLE_MARGIN * self.cold_start_s()))
 
     def cold_start(self) -> dict[str, Any] | None:
         """The model's cold start, if its settles show one (JSON-ready), else None.
@@ -541,8 +594,7 @@ class ServiceTimes:
         first calls). Example: 57 left out that took 1,327 ms where the curve gives 8.1 ms each (462 ms): 865 ms
         more, 106.8 executions' worth, 2.9x the curve: cold.
         """
-        cold = [r for r in self.settle_readings()
-                if r["excess_executions"] >= COLD_START_EXECUTIONS and r["ms"] >= COLD_START_RATIO * r["usual_ms"]]
+        cold = [r for r in self.settle_readings() if _reads_cold(r)]
         return cold[-1] if len(cold) >= COLD_START_SETTLES else None
 
     def summary(self, settings: Settings) -> dict[str, Any]:
@@ -554,6 +606,12 @@ class ServiceTimes:
         points = self.points(settings)
         return {"alpha_ms": None, "beta_ms": None, "r2": None,
                 "executions": round(sum(n for n, _ in points.values())), "sizes": sorted(points)}
+
+
+def _reads_cold(reading: dict[str, Any]) -> bool:
+    """Whether one settle's reading (`ServiceTimes._settle_reading`) shows a cold start (see `cold_start`)."""
+    return (reading["excess_executions"] >= COLD_START_EXECUTIONS
+            and reading["ms"] >= COLD_START_RATIO * reading["usual_ms"])
 
 
 def _executions(stats: StatsCounters) -> int:
@@ -569,5 +627,6 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-__all__ = ["COLD_START_EXECUTIONS", "COLD_START_RATIO", "SETTLE_EXECUTIONS", "ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas", "Jitter", "execution_jitter", "quantile_mean",
+__all__ = ["COLD_START_EXECUTIONS", "COLD_START_RATIO", "COLD_SETTLE_MARGIN", "SETTLE_MAX_S",
+           "SETTLE_EXECUTIONS", "ServiceFit", "ServiceTimes", "fit_service", "counters_restarted", "batch_deltas", "Jitter", "execution_jitter", "quantile_mean",
            "MIN_EXECUTIONS", "HALF_LIFE_S"]
