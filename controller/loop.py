@@ -188,6 +188,7 @@ class Controller:
         self._ticks = 0
         self._tick_error: str | None = None
         self._discovered_at = -math.inf                     # when the server's READY models were last listed
+        self._index_read: tuple[list[dict], Exception | None] | None = None   # this tick's repository index (_index)
         self._said_nothing_ready = False
         self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
         self._lock = threading.Lock()
@@ -236,8 +237,21 @@ class Controller:
             return open_gpu_source(mode)      # "nvml" without NVML raises GpuUnavailable: the user asked for it
         return NullSource()
 
+    def _index(self) -> list[dict]:
+        """The server's repository index, asked at most once a tick (why: the listing and each model whose config
+        read failed all want it; a server that does not answer raises again, without a second wait)."""
+        if self._index_read is None:
+            try:
+                self._index_read = (self.control.repository_index(), None)
+            except Exception as e:  # noqa: BLE001 - raised again below, to each caller this tick
+                self._index_read = ([], e)
+        index, error = self._index_read
+        if error is not None:
+            raise error
+        return index
+
     def _ready_on_server(self) -> set[str]:
-        return {m["name"] for m in self.control.repository_index() if m.get("state") == "READY"}
+        return {m["name"] for m in self._index() if m.get("state") == "READY"}
 
     def _discover(self, now: float) -> None:
         """Add the models to manage that are not managed yet: the config's at the first tick; without a `models:`
@@ -336,7 +350,7 @@ class Controller:
         "not in the server's repository"). None when the index does not answer either (the server is away) or lists
         the model READY (some other error)."""
         try:
-            index = self.control.repository_index()
+            index = self._index()
         except Exception:  # noqa: BLE001 - the server is away: the caller says so
             return None
         entry = next((m for m in index if m.get("name") == name), None)
@@ -410,6 +424,7 @@ class Controller:
     # -- one tick -------------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
+        self._index_read = None
         try:
             self._tick(now)
         finally:

@@ -590,6 +590,18 @@ def test_a_named_model_the_operator_unloads_is_held_as_not_loaded_not_as_an_unre
     assert any(r.getMessage().startswith("m: cannot read live config") for r in caplog.records)
 
 
+def test_several_unloaded_models_share_one_index_read_a_tick():
+    clock = Clock()
+    ctl, control, scraper = make(["m", "n", "o"], {k: FakeModel(50, 5, 4) for k in "mno"}, clock)
+    run_ticks(ctl, clock, 3)
+    control.unloaded.update({"m", "n", "o"})
+    calls = control.index_calls
+    run_ticks(ctl, clock, 4)
+    assert all(ctl.models[k].last_decision.reason == "HoldNotLoaded" for k in "mno")
+    assert all(ctl.models[k].last_decision.detail == "UNAVAILABLE: unloaded" for k in "mno")
+    assert control.index_calls - calls == 4                   # one a tick, not one per model (12)
+
+
 def test_without_a_models_section_a_model_the_operator_unloads_is_let_go_and_taken_back_when_loaded(caplog):
     """`run` without `models:` manages what the server serves: an unloaded model leaves the managed set (and
     /status, and its gauges) at the next listing, and comes back when it is READY again."""
