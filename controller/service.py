@@ -315,8 +315,10 @@ class ServiceTimes:
     So nothing negative is ever added. After each new baseline, intervals are also left out (counted
     in `settling`) until the executions since that baseline reach `settle_executions` x the
     configuration's instance count, checked at the interval's start: the interval that holds the
-    count's crossing is still left out. Why: a new instance's first executions (a full reload's, an
-    in-place scale-up's, a restarted server's) include its cold start, which a model that does not
+    count's crossing is still left out; and until they have run for `settle_floor_s()` (`settle_s`, or
+    1.5x a cold start read lately; `_restart_settle` says why a count alone is not enough). Why: a new
+    instance's first executions (a full reload's, an in-place scale-up's, a restarted server's)
+    include its cold start, which a model that does not
     warm up pays in its first requests; on an H200, resnet_tiny without its warm-up took 846 ms for
     its first execution and 23-76 ms for each new batch size against 1.6-2.1 ms later
     (docs/bench/gpu_h200/). Summed in, one such execution among 200 of 2.5 ms read s(1) as 4.1 ms
@@ -403,10 +405,10 @@ class ServiceTimes:
             return
         deltas = batch_deltas(old_stats, stats)
         if self._settle_base is not None:
-            started = last[0] if last is not None else now     # this interval's start
+            begun_at = last[0] if last is not None else now     # this interval's start
             if self._settle_from is None and any(n > 0 for n, _ in deltas.values()):
-                self._settle_from = started
-            executing_s = 0.0 if self._settle_from is None else started - self._settle_from
+                self._settle_from = begun_at
+            executing_s = 0.0 if self._settle_from is None else begun_at - self._settle_from
             if (_executions(old_stats) - self._settle_base < self.settle_executions * settings.instance_count
                     or executing_s < self._settle_floor_s):
                 self.settling += 1
