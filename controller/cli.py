@@ -8,6 +8,7 @@ configuration, 1 for a server or runtime failure. Never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-controller", action="store_true", help="only start the server")
     s.add_argument("--no-auth", action="store_true", help="leave the repository API open (default: guarded by a generated key)")
     s.add_argument("--duration-s", type=_bounded(float, 0.1, 1e7), help="stop by itself after this many seconds (tests, demos)")
+    s.add_argument("--max-restarts", type=_bounded(int, 0, 1000), default=3,
+                   help="start tritonserver again when it dies, at most this many times within 10 minutes (at once, "
+                        "then after 5, 10, 20 s...), with the models' live configs; 0: stop with it (default 3)")
 
     r = sub.add_parser("run", help="run the controller against a running server (e.g. the NGC container)")
     r.add_argument("--config", type=Path, help="controller YAML (default: the serve running on this machine, "
@@ -237,14 +241,6 @@ def _run_controller(controller, endpoint, stop: threading.Event) -> None:
         controller.close()
 
 
-def _server_died(server: TritonServer) -> str:
-    """serve's last words where tritonserver exited under it: the exit code, the log's last error lines (or the
-    abort's backtrace), and where its full log stays (a copy; the work dir goes with the server)."""
-    kept = server.keep_log()
-    return (f"tritonserver exited with code {server.process.returncode}: {server.log_tail()}"
-            + (f" (full log: {kept})" if kept else ""))
-
-
 def _stop_after(seconds: float, stop: threading.Event) -> None:
     """Set `stop` after `seconds`; a daemon timer, so a stop by signal does not wait for it to expire."""
     timer = threading.Timer(seconds, stop.set)
@@ -296,7 +292,7 @@ def cmd_serve(args) -> int:
              "auth_header": ADMIN_HEADER if restricted else None, "key_file": None, "decision_log": None,
              "controller_port": None, "models": models, "repository": str(args.repository)}
     folder = _write_run_state(state, None)
-    controller = endpoint = None
+    controller = endpoint = supervisor = None
     try:
         premarked = {}
         if not args.no_controller:
@@ -335,9 +331,11 @@ def cmd_serve(args) -> int:
             _write_run_state(state, folder)
             print("no controller (--no-controller); `python -m controller status` shows the server's live configs",
                   flush=True)
-            while not stop.wait(0.5):
-                if server.process.poll() is not None:
-                    raise ServerError(_server_died(server))
+            supervisor = _supervise(server, stop, args.max_restarts, None, state, folder)
+            while not stop.wait(0.5):     # why: a wait with a timeout, so that the signal handler runs promptly
+                pass
+            if supervisor.gave_up.is_set():
+                raise ServerError(supervisor.last_words)
             return 0
         state.update(phase="running", decision_log=cfg.loop.decision_log and str(Path(cfg.loop.decision_log).resolve()),
                      controller_port=endpoint.port, models=list(cfg.models))
@@ -347,19 +345,23 @@ def cmd_serve(args) -> int:
         _say_which_wait(cfg, controller, models)
         print(f"controller managing {', '.join(cfg.models)} (p99 targets: "
               f"{', '.join(f'{m} {lim.p99_target_ms:g} ms' for m, lim in cfg.models.items())})", flush=True)
-        died = _watch_server(server, stop)
+        supervisor = _supervise(server, stop, args.max_restarts,
+                                lambda: controller.restart_configs(server.options.repository, served), state, folder)
         controller.run(stop)
-        if died.is_set():
-            raise ServerError(_server_died(server))
+        if supervisor.gave_up.is_set():
+            raise ServerError(supervisor.last_words)
         return 0
     finally:
-        if folder is not None:
-            runstate.remove(os.getpid(), folder)
+        stop.set()
         if endpoint is not None:
             endpoint.close()
         if controller is not None:
             controller.close()
-        server.stop()
+        # why: after a restart under way has ended (the supervisor holds its lock through it and its run-state write)
+        with supervisor.lock if supervisor is not None else contextlib.nullcontext():
+            if folder is not None:
+                runstate.remove(os.getpid(), folder)
+            server.stop()
         print("stopped", flush=True)
 
 
@@ -402,17 +404,20 @@ def _write_run_state(state: dict, folder: Path | None) -> Path | None:
         return None
 
 
-def _watch_server(server: TritonServer, stop: threading.Event) -> threading.Event:
-    """Stop everything if the server process exits on its own; the returned event says it did."""
-    died = threading.Event()
+def _supervise(server: TritonServer, stop: threading.Event, max_restarts: int, configs,
+               state: dict, folder: Path | None) -> "ServerSupervisor":
+    """Start the server's watch (server.ServerSupervisor): a server that dies is started again, at most
+    `max_restarts` times within 10 minutes; its notices go to serve's output, its restarts to the run-state file
+    (`status` shows the last)."""
+    from .server import RestartBudget, ServerSupervisor
 
-    def watch():
-        while not stop.wait(0.5):
-            if server.process is not None and server.process.poll() is not None:
-                died.set()
-                stop.set()
-    threading.Thread(target=watch, daemon=True).start()
-    return died
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    def restarted(records: list[dict]) -> None:
+        state["server_restarts"] = records[-20:]
+        _write_run_state(state, folder)
+    return ServerSupervisor(server, stop, configs, RestartBudget(max_restarts), say=say, on_restart=restarted).start()
 
 
 def cmd_run(args) -> int:

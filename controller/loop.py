@@ -95,6 +95,7 @@ class ManagedModel:
     per_device: dict[str, int] = field(default_factory=dict)   # live instances per device (groups.py)
     target_from: "ensemble.StepTarget | None" = None    # set while an ensemble's target is passed to it
     sequences_kept: bool = False                         # a sequence batcher's floor follows its live count
+    live_config: dict | None = None                      # the config last read from the server (a restart loads it)
 
     @property
     def last_obs(self) -> Observation | None:
@@ -232,6 +233,20 @@ class Controller:
                 configs[name] = config
         return configs
 
+    def restart_configs(self, repository, names) -> dict[str, dict]:
+        """For a server this controller's caller starts again after it died (`serve`, server.ServerSupervisor): the
+        load overrides of `first_load_configs`, with the live config the loop last read in place of the file's for
+        each model it manages that was loaded then (the instances and delay it had chosen, with its owner mark), so
+        that the restarted server runs what the dead one ran. Ensembles and decoupled models load from their files,
+        as at the first start. May run in another thread than the loop: it reads each model's last config, a dict
+        the loop replaces, never edits."""
+        configs = self.first_load_configs(repository, names)
+        for mm in list(self.models.values()):
+            cfg = mm.live_config
+            if cfg is not None and mm.kind is not None and mm.kind.managed:
+                configs[mm.name] = cfg
+        return configs
+
     def _open_gpu(self, mode: str) -> GpuSource:
         if mode in ("auto", "nvml"):
             return open_gpu_source(mode)      # "nvml" without NVML raises GpuUnavailable: the user asked for it
@@ -322,8 +337,11 @@ class Controller:
             elif why is None and (mm.reachable or mm.not_loaded is not None):
                 log.warning("%s: cannot read live config (%s); holding until it answers", mm.name, _short(e))
             mm.reachable, mm.not_loaded = False, why
+            if why is not None:
+                mm.live_config = None       # why: not loaded (an operator unloaded it): a restart loads its file
             return False
         live = settings_of(cfg)
+        mm.live_config = cfg
         self._adopt_kind(mm, cfg)
         mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
         mm.sim_slots = _int_parameter(cfg, "device_parallelism")   # a simulated device's slots (sim_accel)

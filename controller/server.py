@@ -28,11 +28,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = PACKAGE_ROOT / "model_repository"
@@ -245,6 +246,7 @@ class TritonServer:
         self._workdir: Path | None = None
         self.log_path: Path | None = None
         self.embedded = False
+        self._binary: Path | None = None
         # why: a Python-backend stub killed while it shuts down leaves its /dev/shm region behind (about one
         # per ten minutes of reloads here); a prefix of our own lets stop() remove exactly this server's
         self.shm_prefix = f"tritonctl_{os.getpid()}_{secrets.token_hex(4)}_"
@@ -345,52 +347,90 @@ class TritonServer:
         loaded after its steps finds them loaded with theirs; `configs` may name a model of the repository that
         `models` does not list (an ensemble's step), loaded with its override too."""
         o = self.options
-        repo = Path(o.repository)
-        names = self.model_names()
-        configs = configs or {}
-        extra = [n for n in configs if n not in names and is_model_folder(repo / n)]
-        names = extra + [n for n in names if n in configs] + [n for n in names if n not in configs]
+        names = self._load_order(configs or {})
         for label, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
             if _port_in_use(o.host, port):
                 raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower().replace('grpc', 'grpc')}-port")
         binary, self.embedded = find_tritonserver(o.tritonserver)
-        precompile_models(repo, names)
+        precompile_models(Path(o.repository), names)
         self._workdir = Path(tempfile.mkdtemp(prefix="triton-ctl-"))
-        backend_dir = assemble_backend_dir(self._workdir / "backends") if self.embedded else None
-        if self.trace_path is not None:
-            self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+        self._binary = binary
         self.log_path = Path(o.log_path) if o.log_path else self._workdir / "tritonserver.log"
-        log_file = open(self.log_path, "ab")
-        self.process = spawn_dying_with_parent(
-            self.command(binary, backend_dir), stdout=log_file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True,
-        )
-        log_file.close()
         try:
-            self._wait_live(o.startup_timeout_s)
-            for name in names:
-                config = configs.get(name)
-                if config is not None:
-                    try:
-                        self.load_model(name, config)
-                        continue
-                    except ServerError as e:
-                        log.warning("%s: its load with an override failed (%s); loading it from its file", name, e)
-                try:
-                    self.load_model(name)
-                except ServerError as e:
-                    others = [n for n in names if n != name]
-                    if o.models is None and others:
-                        # why: one broken model of a user's repository stops it all, as tritonserver's own start does
-                        # (--exit-on-error); the way on without it is to name the others
-                        raise ServerError(f"{e}; serve loads every model of {repo} and stops when one fails, as "
-                                          f"tritonserver does: to serve the others, name them: --models "
-                                          f"{','.join(others)}") from None
-                    raise
+            self._launch()
+            self._load_models(names, configs or {})
         except BaseException:
             self.stop()
             raise
         return self
+
+    def restart(self, configs: Mapping[str, dict] | None = None) -> "TritonServer":
+        """Start the server again after its process died (see ServerSupervisor): the same command (ports, key, trace
+        file, shm prefix), work dir and log (appended to), the models loaded as `start` loads them, `configs` being
+        the overrides to load them with now (the controller's last live configs: the instances and delay it had
+        chosen). What the dead one left (stub processes, shared-memory regions) is removed first. Raises ServerError
+        where it cannot start or a model fails to load; the process is then stopped, the work dir kept for another
+        try (`stop` removes it)."""
+        if self._workdir is None:
+            raise ServerError("restart() of a server that was never started")
+        configs = configs or {}
+        names = self._load_order(configs)
+        self._halt()
+        for label, port in (("HTTP", self.options.http_port), ("gRPC", self.options.grpc_port),
+                            ("metrics", self.options.metrics_port)):
+            if _port_in_use(self.options.host, port):
+                raise ServerError(f"{label} port {self.options.host}:{port} was taken while tritonserver was down")
+        try:
+            self._launch()
+            self._load_models(names, configs)
+        except BaseException:
+            self._halt()
+            raise
+        return self
+
+    def _load_order(self, configs: Mapping[str, dict]) -> list[str]:
+        """The models to load, in order: a model only `configs` names (an ensemble's step) first, then those with an
+        override, then the rest."""
+        repo = Path(self.options.repository)
+        names = self.model_names()
+        extra = [n for n in configs if n not in names and is_model_folder(repo / n)]
+        return extra + [n for n in names if n in configs] + [n for n in names if n not in configs]
+
+    def _launch(self) -> None:
+        """Spawn the server process (its log appended to) and wait until it is live."""
+        backend = self._workdir / "backends"
+        backend_dir = (backend if backend.is_dir() else assemble_backend_dir(backend)) if self.embedded else None
+        if self.trace_path is not None:
+            self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "ab")
+        self.process = spawn_dying_with_parent(
+            self.command(self._binary, backend_dir), stdout=log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True,
+        )
+        log_file.close()
+        self._wait_live(self.options.startup_timeout_s)
+
+    def _load_models(self, names: list[str], configs: Mapping[str, dict]) -> None:
+        o = self.options
+        for name in names:
+            config = configs.get(name)
+            if config is not None:
+                try:
+                    self.load_model(name, config)
+                    continue
+                except ServerError as e:
+                    log.warning("%s: its load with an override failed (%s); loading it from its file", name, e)
+            try:
+                self.load_model(name)
+            except ServerError as e:
+                others = [n for n in names if n != name]
+                if o.models is None and others:
+                    # why: one broken model of a user's repository stops it all, as tritonserver's own start does
+                    # (--exit-on-error); the way on without it is to name the others
+                    raise ServerError(f"{e}; serve loads every model of {o.repository} and stops when one fails, "
+                                      f"as tritonserver does: to serve the others, name them: --models "
+                                      f"{','.join(others)}") from None
+                raise
 
     def _http(self, method: str, path: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
@@ -448,10 +488,11 @@ class TritonServer:
         errors = [ln for ln in text if ln[:1] in "EW" or "error" in ln.lower()]
         return " | ".join((errors or text)[-lines:])
 
-    def keep_log(self) -> Path | None:
+    def keep_log(self, repoint: bool = True) -> Path | None:
         """Copy the log out of the work dir (which `stop` removes) to `<tmp>/tritonserver-<pid>.log`, and point
-        `log_path` there: where the server died, its full log is what a user (or an upstream bug report) needs.
-        The log's path if it is kept (one given in the options stays where it is), else None."""
+        `log_path` there (unless not `repoint`: the server is started again and goes on writing the one in the work
+        dir): where the server died, its full log is what a user (or an upstream bug report) needs. The log's path if
+        it is kept (one given in the options stays where it is), else None."""
         if self.log_path is None or not self.log_path.exists():
             return None
         if self._workdir is None or self.options.keep_workdir or self._workdir not in self.log_path.parents:
@@ -462,15 +503,15 @@ class TritonServer:
             shutil.copyfile(self.log_path, kept)
         except OSError:
             return None
-        self.log_path = kept
+        if repoint:
+            self.log_path = kept
         return kept
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server (it shuts its stub processes down), then kill the group if needed."""
+        """SIGTERM the server (it shuts its stub processes down), then kill the group if needed; the work dir goes
+        (unless kept)."""
         p = self.process
-        if p is None:
-            return
-        if p.poll() is None:
+        if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
             first = min(SLOW_STOP_S, timeout_s)
             try:
@@ -487,6 +528,15 @@ class TritonServer:
                 except subprocess.TimeoutExpired:
                     log.warning("tritonserver (pid %d) did not exit within %.0f s of SIGTERM; killing it",
                                 p.pid, timeout_s)
+        self._halt()
+        if self._workdir is not None and not self.options.keep_workdir:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def _halt(self) -> None:
+        """Kill what is left of the process and its group, and remove its shared-memory regions."""
+        p = self.process
+        if p is None:
+            return
         # Stubs are in the server's process group (new session at start): nothing may outlive us.
         try:
             os.killpg(p.pid, signal.SIGKILL)
@@ -498,11 +548,156 @@ class TritonServer:
             pass
         self.process = None
         remove_shm_regions(self.shm_prefix)
-        if self._workdir is not None and not self.options.keep_workdir:
-            shutil.rmtree(self._workdir, ignore_errors=True)
 
     def __enter__(self) -> "TritonServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def exit_words(returncode: int | None) -> str:
+    """"exited with code -11 (SIGSEGV)": a negative code is the signal that ended the process."""
+    if returncode is None:
+        return "exited"
+    if returncode < 0:
+        try:
+            return f"exited with code {returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            pass
+    return f"exited with code {returncode}"
+
+
+class RestartBudget:
+    """When a server whose process died is started again. The first restart at once; each further one after a wait
+    that doubles from `backoff_s` up to `max_backoff_s`; none once `max_restarts` restarts fall within the last
+    `window_s`: a server that keeps dying is given up (Kubernetes' CrashLoopBackOff ends the same way, in a failed
+    pod, not in an endless loop). A restart older than `window_s` no longer counts, so a server that has run that
+    long since is treated as healthy again. A failed try counts as a restart.
+
+    Example (the defaults: 3 within 600 s, 5 s doubling): deaths at 0, 100 and 130 s wait 0, 5 and 10 s; a fourth at
+    200 s is given up (3 restarts in the window); deaths at 0 and 700 s wait 0 s each."""
+
+    def __init__(self, max_restarts: int = 3, window_s: float = 600.0, backoff_s: float = 5.0,
+                 max_backoff_s: float = 60.0):
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._restarts: list[float] = []
+
+    def next_wait(self, now: float) -> float | None:
+        """Seconds to wait before the next restart, None where there is to be none."""
+        self._restarts = [t for t in self._restarts if now - t < self.window_s]
+        n = len(self._restarts)
+        if n >= self.max_restarts:
+            return None
+        return 0.0 if n == 0 else min(self.backoff_s * 2 ** (n - 1), self.max_backoff_s)
+
+    def record(self, now: float) -> None:
+        self._restarts.append(now)
+
+    @property
+    def recent(self) -> int:
+        return len(self._restarts)
+
+    def describe(self) -> str:
+        if self.max_restarts <= 0:
+            return "restarts are off (--max-restarts 0)"
+        return f"{self.recent} restart(s) within {self.window_s:.0f} s, the most allowed (--max-restarts)"
+
+
+class ServerSupervisor:
+    """Watch a started TritonServer; where its process exits on its own, keep a copy of its log and start it again
+    (TritonServer.restart: same ports and key) within a RestartBudget, loading the models with the overrides
+    `configs()` returns then (the controller's live configs: the instances and delay it had chosen, its owner mark).
+    Where the budget is spent (at once with `max_restarts` 0), `stop` and `gave_up` are set and `last_words` says
+    why. Requests in flight when the server died are lost (their clients see an error), and those sent while it
+    is down are refused; nothing else is.
+
+    Why restart: Triton 2.51 has crashed under load after an in-place instance-count change (SIGSEGV in its request
+    free; upstream issue 7723), twice in this project's runs, and a server that stays down loses every request after.
+
+    The watch runs in a thread that lives until `stop` is set, and the restarted process is spawned from it: Linux's
+    parent-death signal (spawn_dying_with_parent) follows the *thread* that spawned, so the server must not be
+    spawned from a thread that ends sooner. `lock` is held through a restart: the owner takes it before `stop()`, so
+    that a restart under way finishes (or fails) first."""
+
+    def __init__(self, server: TritonServer, stop: threading.Event,
+                 configs: Callable[[], Mapping[str, dict]] | None = None, budget: RestartBudget | None = None,
+                 say: Callable[[str], None] | None = None, on_restart: Callable[[list[dict]], None] | None = None,
+                 poll_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic):
+        self.server = server
+        self.stop = stop
+        self.budget = budget if budget is not None else RestartBudget()
+        self.lock = threading.Lock()
+        self.gave_up = threading.Event()
+        self.last_words: str | None = None
+        self.restarts: list[dict] = []      # {"at": wall time, "exit", "log", "ok", and "took_s", "pid" or "error"}
+        self._configs = configs
+        self._on_restart = on_restart
+        self._say = say or log.warning
+        self._poll_s = poll_s
+        self._clock = clock
+        self._failed: str | None = None     # a restart's error, read as the next death
+        self._thread: threading.Thread | None = None
+
+    def _restarted(self) -> None:
+        """Tell the owner (under `lock`, so that it is not told after it stopped the server)."""
+        if self._on_restart is not None:
+            try:
+                self._on_restart(list(self.restarts))
+            except Exception as e:  # noqa: BLE001 - a notice only (the run-state file): the watch goes on
+                log.warning("after the restart: %s", e)
+
+    def start(self) -> "ServerSupervisor":
+        self._thread = threading.Thread(target=self._watch, name="server-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self.stop.wait(self._poll_s):
+            if self._failed is not None:
+                why, self._failed, kept = self._failed, None, None
+                ended = "did not start again"
+            else:
+                p = self.server.process
+                if p is None or p.poll() is None:
+                    continue
+                kept = self.server.keep_log(repoint=False)
+                ended = exit_words(p.returncode)
+                why = f"tritonserver {ended}: {self.server.log_tail()}" + (f" (full log: {kept})" if kept else "")
+            self._after_death(why, ended, kept)
+
+    def _after_death(self, why: str, ended: str, kept: Path | None) -> None:
+        wait = self.budget.next_wait(self._clock())
+        if wait is None:
+            self.last_words = f"{why}; not started again: {self.budget.describe()}"
+            self.gave_up.set()
+            self.stop.set()
+            return
+        self._say(f"{why}; starting it again{f' in {wait:.0f} s' if wait else ''} (restart {self.budget.recent + 1} "
+                  f"of at most {self.budget.max_restarts} within {self.budget.window_s:.0f} s)")
+        if self.stop.wait(wait):
+            return
+        with self.lock:
+            if self.stop.is_set():
+                return
+            self.budget.record(self._clock())
+            record = {"at": time.time(), "exit": ended, "log": str(kept) if kept else None, "ok": False}
+            self.restarts.append(record)
+            t0 = self._clock()
+            try:
+                configs = self._configs() if self._configs is not None else None
+                self.server.restart(configs)
+            except Exception as e:  # noqa: BLE001 - ServerError, OSError: counted, said, and tried again
+                record["error"] = " ".join(str(e).split())[:600]
+                self._failed = f"tritonserver did not start again: {record['error']}"
+                self._restarted()
+                return
+            record.update(ok=True, took_s=round(self._clock() - t0, 2), pid=self.server.process.pid)
+            self._restarted()
+        how = " with the controller's live configs" if configs else ""
+        self._say(f"tritonserver started again in {record['took_s']:.1f} s (pid {record['pid']}), same ports; its "
+                  f"models loaded{how}")

@@ -143,7 +143,7 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
     if target.serve is not None:
         st = target.serve
         doc["source"] = {"kind": "serve", "pid": st.pid, "started": st.get("started"), "run_state": str(st.path),
-                         "phase": st.get("phase")}
+                         "phase": st.get("phase"), "server_restarts": st.get("server_restarts") or []}
     else:
         doc["source"] = {"kind": "config", "path": target.config_path}
     doc["server"] = {"http_url": s.http_url, "grpc_url": s.grpc_url, "metrics_url": s.metrics_url}
@@ -223,6 +223,13 @@ def format_header(doc: dict) -> list[str]:
     if src.get("kind") == "serve":
         up = _dur(doc.get("time", time.time()) - src["started"]) if src.get("started") else "?"
         lines = [f"serve pid {src.get('pid')}, up {up}: {where}"]
+        restarts = src.get("server_restarts") or []
+        if restarts:
+            last = restarts[-1]
+            when = time.strftime("%H:%M:%S", time.localtime(last.get("at") or 0))
+            then = "started again" if last.get("ok") else f"did not start again ({last.get('error')})"
+            lines.append(f"tritonserver died and was restarted {len(restarts)} time(s); last at {when}: "
+                         f"{last.get('exit')}, {then}; its log then: {last.get('log') or '?'}")
     else:
         lines = [f"server from {src.get('path') or 'the default addresses'}: {where}"]
     if ctl is not None:

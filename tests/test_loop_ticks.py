@@ -176,6 +176,24 @@ def test_restart_is_adopted_and_the_policy_holds_a_window():
     assert mm.last_decision.reason == "HoldSteady"
 
 
+def test_a_restarted_server_is_given_each_loaded_models_last_live_config(tmp_path):
+    """Controller.restart_configs (serve's ServerSupervisor): the live config last read for each managed model that
+    was loaded (the instances and delay running then), not one an operator unloaded, not a decoupled model (never
+    managed: it loads from its file)."""
+    clock = Clock()
+    ctl, control, _ = make(["m", "n", "d"], {k: FakeModel(50, 5, 4) for k in ("m", "n", "d")}, clock)
+    control.configs["d"]["model_transaction_policy"] = {"decoupled": True}
+    run_ticks(ctl, clock, 3)
+    control.configs["m"] = model_config("m", count=3, delay=500)       # what runs when the server dies
+    control.unloaded.add("n")
+    run_ticks(ctl, clock, 1)
+    got = ctl.restart_configs(tmp_path, ["m", "n", "d"])
+    assert got == {"m": model_config("m", count=3, delay=500)}, got
+    control.down = True                                                  # the server is down: the last reads stand
+    run_ticks(ctl, clock, 2)
+    assert ctl.restart_configs(tmp_path, ["m", "n", "d"]) == got
+
+
 def test_a_change_made_outside_is_adopted():
     clock = Clock()
     ctl, control, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock)

@@ -360,7 +360,7 @@ def test_the_newcomer_walk_serve_status_traffic_status_stop(tmp_path, capsys):
         assert seen["obs"]["p99_source"] in ("trace", "summary", "mean_x_tail_ratio", "interval_mean_max")
         assert seen["reason"] and seen["held_for_s"] is not None and doc["controller"]["ticks"] > 0
         assert doc["source"] == {"kind": "serve", "pid": proc.pid, "started": doc["source"]["started"],
-                                 "run_state": str(state_file), "phase": "running"}
+                                 "run_state": str(state_file), "phase": "running", "server_restarts": []}
         r = _cli(env, "status")
         assert r.returncode == 0 and "  p99 " in r.stdout and " ms  from " in r.stdout, r.stdout
         assert "req/s arriving" in r.stdout

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -294,6 +296,20 @@ def _serve(model: str, lines: list[str], env: dict | None = None, *more: str) ->
     return proc, http_port
 
 
+def _ctrl_c(proc: subprocess.Popen, lines: list[str], http_port: int) -> str:
+    """Ctrl-C serve (SIGKILL if it has not exited in 60 s); its remaining output. It must exit 0 and leave no server
+    on its port."""
+    try:
+        proc.send_signal(2)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert not subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout
+    return rest
+
+
 def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
     t0 = time.monotonic()
     lines: list[str] = []
@@ -311,15 +327,9 @@ def test_serve_answers_then_stops_cleanly_leaving_no_process(tmp_path):
         cmdline = Path(f"/proc/{server_pids[0]}/cmdline").read_bytes().decode().split("\0")
         prefix = next(a.split("shm-region-prefix-name=", 1)[1] for a in cmdline if "shm-region-prefix-name=" in a)
         assert list(Path("/dev/shm").glob(f"{prefix}*")), "the stubs' shared memory carries this server's prefix"
-        proc.send_signal(2)  # Ctrl-C
-        rest, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, "".join(lines) + rest
+        rest = _ctrl_c(proc, lines, http_port)
     assert "stopped" in rest
-    left = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout.split()
-    assert not left
     assert not [pid for pid in stub_pids if process_alive(pid)]
     assert not list(Path("/dev/shm").glob(f"{prefix}*")), "no shared-memory region outlives the server"
 
@@ -497,7 +507,8 @@ def test_an_aborted_servers_last_words_are_its_exception_and_backtrace(tmp_path)
 
 def test_serve_names_the_abort_and_keeps_the_log_of_a_server_that_died(tmp_path):
     lines: list[str] = []
-    proc, http_port = _serve("sim_accel", lines, env={**os.environ, "TRITON_AUTOTUNE_RUN_DIR": str(tmp_path)})
+    proc, http_port = _serve("sim_accel", lines, {**os.environ, "TRITON_AUTOTUNE_RUN_DIR": str(tmp_path)},
+                             "--max-restarts", "0")
     try:
         server_pid = int(subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True,
                                         text=True).stdout.split()[0])
@@ -509,11 +520,89 @@ def test_serve_names_the_abort_and_keeps_the_log_of_a_server_that_died(tmp_path)
     out = "".join(lines) + rest
     assert proc.returncode == 1, out
     last = rest.strip().splitlines()[-1]
-    assert "tritonserver exited with code -6: Signal (6) received. | 0# " in last, out
-    kept = Path(last.rsplit("(full log: ", 1)[1].rstrip(")"))
+    assert "tritonserver exited with code -6 (SIGABRT): Signal (6) received. | 0# " in last, out
+    assert last.endswith("; not started again: restarts are off (--max-restarts 0)"), out
+    kept = Path(re.search(r"\(full log: (\S+)\)", last).group(1))
     try:
         assert kept.parent == Path(tempfile.gettempdir()) and "Signal (6) received." in kept.read_text(), out
         assert "successfully loaded 'sim_accel'" in kept.read_text()          # the whole log, not its tail
+    finally:
+        kept.unlink(missing_ok=True)
+
+
+def _lines_after(proc: subprocess.Popen, lines: list[str], wanted: str, timeout_s: float) -> str:
+    """Read serve's output (into `lines`) until a line starting with `wanted`; that line. A reader thread, so that a
+    serve that never prints it fails the test after `timeout_s` instead of hanging it."""
+    found: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(wanted):
+                found.append(line)
+                return
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    assert found, f"no line starting {wanted!r} within {timeout_s:.0f} s:\n" + "".join(lines)
+    return found[0]
+
+
+def _status_until(url: str, cond, timeout_s: float = 30.0) -> dict:
+    """The controller's /status entry for sim_accel once `cond` holds of it (fails the test after `timeout_s`)."""
+    deadline, model = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            model = json.loads(r.read()).get("models", {}).get("sim_accel") or {}
+        if cond(model):
+            return model
+        time.sleep(0.5)
+    pytest.fail(f"not so within {timeout_s:.0f} s: {model}")
+
+
+def test_serve_starts_a_dead_server_again_with_its_live_configs(tmp_path):
+    """SIGSEGV under serve (Triton 2.51 has crashed so after an in-place scale-up): serve starts tritonserver again on
+    the same ports, the model loaded with the live config it had (2 instances and 700 us set by an operator, where
+    the file says 1 and 0 us), the controller goes on, and `status` names the restart."""
+    env = {**os.environ, "TRITON_AUTOTUNE_RUN_DIR": str(tmp_path), "TRITON_ADMIN_KEY": "k123"}
+    lines: list[str] = []
+    # why --dry-run: the controller changes nothing itself, so the live config is the operator's throughout
+    proc, http_port = _serve("sim_accel", lines, env, "--dry-run")
+    try:
+        client = http.InferenceServerClient(f"127.0.0.1:{http_port}")
+        cfg = client.get_model_config("sim_accel")
+        assert cfg["instance_group"][0]["count"] == 1
+        cfg["instance_group"][0]["count"] = 2
+        cfg["dynamic_batching"]["max_queue_delay_microseconds"] = "700"
+        client.load_model("sim_accel", config=json.dumps(cfg), headers={"admin-key": "k123"})
+        status_url = re.search(r"or (http://127\.0\.0\.1:\d+/status)", "".join(lines)).group(1)
+        _status_until(status_url, lambda m: m.get("instances") == 2)   # the controller read the operator's config
+        before = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True,
+                                text=True).stdout.split()
+        assert len(before) == 1
+        os.kill(int(before[0]), signal.SIGSEGV)
+        died = _lines_after(proc, lines, "tritonserver exited with code -11 (SIGSEGV)", 30)
+        assert "starting it again (restart 1 of at most 3 within 600 s)" in died, died
+        kept = Path(re.search(r"\(full log: (\S+)\)", died).group(1))
+        _lines_after(proc, lines, "tritonserver started again", 60)
+        after = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True, text=True).stdout.split()
+        assert len(after) == 1 and after != before
+        live = client.get_model_config("sim_accel")
+        assert live["instance_group"][0]["count"] == 2, live["instance_group"]
+        assert int(live["dynamic_batching"]["max_queue_delay_microseconds"]) == 700
+        assert _infer(client, np.ones((1, 16), np.float32), "sim_accel", "INPUT", "OUTPUT").shape[0] == 1
+        shown = subprocess.run([sys.executable, "-m", "controller", "status"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "tritonserver died and was restarted 1 time(s)" in shown.stdout, shown.stdout
+        assert "exited with code -11 (SIGSEGV), started again" in shown.stdout, shown.stdout
+        # the controller reads the server again after the gap
+        _status_until(status_url, lambda m: m.get("reachable") and m.get("reason") not in ("HoldServerUnreachable",
+                                                                                          "HoldNotLoaded"))
+    finally:
+        _ctrl_c(proc, lines, http_port)
+    try:
+        assert "Signal (11) received." in kept.read_text()
     finally:
         kept.unlink(missing_ok=True)
 
