@@ -22,6 +22,7 @@ from controller.types import Settings
 class FakeServer:
     http_url, grpc_url, metrics_url = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
     stopped = False
+    process = None                    # no process: the arm's ServerSupervisor has nothing to watch
 
     def __init__(self, options):
         self.options = options

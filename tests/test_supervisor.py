@@ -1,16 +1,22 @@
 """serve's restart of a tritonserver that died (server.RestartBudget, server.ServerSupervisor), on a stand-in server
-object: the budget's arithmetic, and the supervisor's restart, give-up, failed start and stop. The real path (a
-SIGSEGV'd tritonserver started again under serve with its live configs) is tests/test_server.py's
+object: the budget's arithmetic, and the supervisor's restart, give-up, failed start and stop. Then a bench arm whose
+real server is SIGSEGV'd under traffic (the arm restarts it as serve does). serve's real path (a SIGSEGV'd
+tritonserver started again with its live configs) is tests/test_server.py's
 test_serve_starts_a_dead_server_again_with_its_live_configs."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from controller.evaluation.arm import ArmSpec, run_arm
 from controller.server import RestartBudget, ServerError, ServerSupervisor, exit_words
+from controller.types import Settings
 
 
 @pytest.mark.parametrize("code, words", [
@@ -174,3 +180,30 @@ def test_the_owner_holding_the_lock_keeps_a_restart_from_starting():
         stop.set()
     sup._thread.join(5)
     assert server.restarted_with == []
+
+
+def test_a_bench_arm_whose_server_dies_goes_on_with_its_config(tmp_path):
+    """A static arm (2 instances, 300 us) under 40 req/s for 10 s, its tritonserver SIGSEGV'd 3 s in by the arm's
+    helper: the arm starts it again with the arm's config, the requests after the gap are served, and the restart is
+    in the arm's record (the bench reports it)."""
+    class Killer:
+        def __init__(self, server, t0):
+            self.timer = threading.Timer(3.0, lambda: os.kill(server.process.pid, signal.SIGSEGV))
+            self.timer.start()
+
+        def stop(self):
+            self.timer.cancel()
+            return []
+
+    schedule = np.arange(0.0, 10.0, 0.025)
+    run = run_arm(ArmSpec("static", ["sim_accel"], {"sim_accel": Settings(2, 300)}, {"sim_accel": schedule},
+                          tmp_path, helper=Killer))
+    assert len(run.server_restarts) == 1 and run.server_restarts[0]["ok"], run.server_restarts
+    assert run.server_restarts[0]["exit"] == "exited with code -11 (SIGSEGV)"
+    assert 2.5 < run.server_restarts[0]["t"] < 5.0, run.server_restarts
+    assert run.live_at_end["sim_accel"] == Settings(2, 300)
+    records = run.records["sim_accel"]
+    failed = [r.scheduled_s for r in records if not r.ok]
+    assert failed, "the crash cost no request: was the server killed?"
+    assert min(failed) > 2.5 and max(failed) < 7.0, (min(failed), max(failed), len(failed))
+    assert sum(r.ok for r in records if r.scheduled_s >= 7.0) == sum(schedule >= 7.0)

@@ -19,6 +19,11 @@
 6. in `finally`, whatever happened: stops the helper, kills the controller if it still runs, closes
    the client and stops the server.
 
+Throughout, a tritonserver that dies is started again as `serve` starts it (server.ServerSupervisor: same ports,
+each model with the live config a `ConfigKeeper` read last, at most 3 times), so that one crash of Triton's costs
+an arm the seconds it was down rather than the rest of its traffic; `ArmRun.server_restarts` lists them, and the
+bench reports them per arm.
+
 Every arm is judged on the same traffic, so everything but the settings and the controller is
 the same here for all of them.
 """
@@ -89,6 +94,7 @@ class ArmRun:
     decisions: list[dict] = field(default_factory=list)
     observation_log: Path | None = None
     stats_samples: list[tuple[float, dict]] = field(default_factory=list)   # StatsSampler.samples
+    server_restarts: list[dict] = field(default_factory=list)             # ServerSupervisor.restarts, `t` added
 
     def applied_changes(self) -> list[dict]:
         """The controller's applied changes, `t` in seconds from the traffic start (decision log records)."""
@@ -102,6 +108,39 @@ class ArmRun:
                         "kind": rec.get("kind"), "reason": rec.get("reason"), "apply_s": rec.get("apply_s"),
                         "detail": rec.get("detail")})
         return out
+
+
+class ConfigKeeper(threading.Thread):
+    """Reads every model's live config every `every_s` (its own client), so that a server that died can be started
+    again with what it ran (`configs`, read by the ServerSupervisor): an arm's initial settings, the oracle's switch
+    or the controller's change. A failed read keeps the last one. Every arm gets it, so it costs all arms alike."""
+
+    def __init__(self, grpc_url: str, http_url: str, models: Sequence[str], every_s: float = STATS_EVERY_S):
+        super().__init__(daemon=True, name="config-keeper")
+        self.urls, self.models, self.every_s = (grpc_url, http_url), list(models), every_s
+        self.configs: dict[str, dict] = {}
+        self.stop_event = threading.Event()
+
+    def read(self) -> None:
+        from ..actuation import TritonControl
+        control = TritonControl(*self.urls, timeout_s=5.0)
+        try:
+            for name in self.models:
+                try:
+                    self.configs = {**self.configs, name: control.config(name)}   # why: replaced, never edited
+                except Exception:  # noqa: BLE001 - the server is down or reloading: the last read stands
+                    pass
+        finally:
+            control.close()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.every_s):
+            self.read()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self.ident is not None:      # started
+            self.join(timeout=10)
 
 
 class StatsSampler(threading.Thread):
@@ -228,7 +267,8 @@ def _drive(url: str, schedules: Mapping[str, np.ndarray], inputs: Mapping) -> di
 def run_arm(spec: ArmSpec) -> ArmRun:
     """Run one arm on its own fresh server (see the module doc)."""
     from ..actuation import Actuator, TritonControl
-    from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
+    from ..server import (DEFAULT_REPOSITORY, RestartBudget, ServerError, ServerOptions, ServerSupervisor, TritonServer,
+                          free_port)
 
     # why: the server's own log outlives its work dir, so that an arm whose server failed says why
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -239,13 +279,19 @@ def run_arm(spec: ArmSpec) -> ArmRun:
         server_start_s = time.monotonic() - t_start
         control = TritonControl(server.grpc_url, server.http_url)
         actuator = Actuator(control)
-        controller = helper = sampler = None
+        controller = helper = sampler = supervisor = None
+        keeper = ConfigKeeper(server.grpc_url, server.http_url, spec.models)
+        watching = threading.Event()
         try:
             for name in spec.models:
                 result = actuator.apply(name, spec.initial[name])
                 if not result.ok:
                     raise ServerError(f"arm {spec.name}: cannot apply the initial config {spec.initial[name]} "
                                       f"to {name}: {result.error}")
+            keeper.read()
+            keeper.start()
+            supervisor = ServerSupervisor(server, watching, lambda: keeper.configs, RestartBudget(3),
+                                          say=lambda text: log(f"arm {spec.name}: {text}")).start()
             inputs = {name: make_inputs_from_config(server.http_url, name) for name in spec.models}
             run_doc = None
             if spec.controller is not None:
@@ -283,6 +329,7 @@ def run_arm(spec: ArmSpec) -> ArmRun:
                     run.live_at_end[name] = actuator.read(name)[1]
                 except Exception:  # noqa: BLE001 - informational only
                     run.live_at_end[name] = None
+            run.server_restarts = [{**r, "t": round(r["at"] - wall0, 2)} for r in supervisor.restarts]
             return run
         finally:
             if helper is not None:
@@ -292,7 +339,12 @@ def run_arm(spec: ArmSpec) -> ArmRun:
             if controller is not None and controller.poll() is None:
                 controller.kill()
                 controller.wait(timeout=10)
+            watching.set()
+            keeper.stop()
             control.close()
+            if supervisor is not None:
+                supervisor.lock.acquire()   # why: a restart under way ends before the server stops (with's exit)
+                supervisor.lock.release()
 
 
 def settings_dict(settings: Settings | None) -> dict | None:

@@ -577,7 +577,7 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
     events.sort(key=lambda e: e["t"])
     extra["live_at_end"] = settings_dict(run.live_at_end[opts.model])
     extra["server_exec_ms_by_phase"] = server_exec_ms_by_phase(run.stats_samples, opts.model, trace)
-    extra.update(server_start_s=run.server_start_s, traffic_s=run.traffic_s)
+    extra.update(server_start_s=run.server_start_s, traffic_s=run.traffic_s, server_restarts=run.server_restarts)
     return {"records": run.records[opts.model], "events": events, "extra": extra}
 
 
@@ -591,6 +591,7 @@ def arm_summary(arm: str, run: dict, trace: Trace, sla_ms: float) -> tuple[dict,
         "goodput_rps": s.totals.goodput_rps,
         "requests": s.totals.requests,
         "failed_requests": s.totals.failed,
+        "server_restarts": len(run["extra"].get("server_restarts") or []),   # the server died and was started again
         "errors": s.totals.errors,
         "p99_ms": _p99_all(run["records"]),
         "p99_ms_by_phase": {p.name: p.p99_ms for p in s.phases},
@@ -838,9 +839,11 @@ def bench(opts: BenchOptions) -> dict:
             run = run_arm(arm, trace, schedule, opts, DEFAULT_SETTINGS)
         arms[arm], bins[arm] = arm_summary(arm, run, trace, opts.sla_ms)
         (arms_dir / f"{arm}.json").write_text(json.dumps({"summary": arms[arm], "bins": bins[arm]}, indent=1))
+        died = arms[arm]["server_restarts"]
         _log(f"arm {arm}: goodput {arms[arm]['goodput_rps']:.1f}/s, failed {arms[arm]['failed_requests']}, "
              f"{arms[arm]['instance_seconds']:.0f} instance-s, {arms[arm]['reloads']} change(s) "
-             f"({time.monotonic() - t:.0f} s)")
+             f"({time.monotonic() - t:.0f} s)" + (f"; its server DIED and was started again {died} time(s)" if died
+                                                  else ""))
     summary = {"scenario": str(opts.scenario), "model": opts.model, "sla_ms": opts.sla_ms, "seed": opts.seed,
                "duration_s": trace.duration_s, "requests": int(len(schedule)),
                "sweep": None if sweep_path is None else str(sweep_path),

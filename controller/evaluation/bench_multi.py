@@ -134,6 +134,7 @@ def run_arm(arm: str, sc: Scenario, schedules: dict[str, np.ndarray], repo: Path
         extra["controller_cpu_pct"] = run.controller["cpu_pct"]
         extra["peak_instances_total"] = _peak_total(events)
     extra["live_at_end"] = {n: settings_dict(run.live_at_end[n]) for n in names}
+    extra["server_restarts"] = run.server_restarts       # the server died and was started again (arm.py)
     server_exec = {n: server_exec_ms_by_phase(run.stats_samples, n, sc.models[n]) for n in names}
     return {"records": run.records, "events": events, "extra": extra, "server_exec": server_exec}
 
