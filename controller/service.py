@@ -45,6 +45,7 @@ SETTLE_EXECUTIONS = 25      # per instance: executions after a change, restart o
 COLD_START_EXECUTIONS = 25  # a settle whose left-out executions took this many executions' worth more than the curve
 COLD_START_RATIO = 1.25     # ... and this many times the curve's time for them
 COLD_START_SETTLES = 2      # ... in this many of the last COLD_START_KEPT settles: the model starts cold
+COLD_START_ONE = 50         # ... or in one whose excess is this many executions' worth (a load's own settle)
 COLD_START_KEPT = 8
 SEED_SPAN_S = 5.0           # after a restart of the counters this recent, a settle's reading holds all since the load
 COLD_SETTLE_MARGIN = 1.5    # a settle also lasts this many times the longest cold start per instance read lately
@@ -588,7 +589,12 @@ class ServiceTimes:
         the curve's time or more (so that a small mismatch of the curve over many executions is not read as
         one). The model starts cold where COLD_START_SETTLES of the last COLD_START_KEPT settles read cold (one
         stall of the machine in a settle is not a cold start; an in-place scale-down starts no instance and reads
-        warm, which is why not "most of them"); the latest such reading is returned. The excess, not the ratio
+        warm, which is why not "most of them"), or where one of them read COLD_START_ONE executions' worth or more
+        (twice the threshold: a stall of the machine that long within a settle's few seconds is rarer than a cold
+        start that long; why: asked for two, a model's load was its only reading before its first change, which
+        the planner then made a full reload to 2 x 500 us, every instance cold again: cold_start r8's 631-ms
+        morning p99, where its load's settle had read cold; sim_cold's load reads about 100 executions' worth,
+        docs/bench/cold_start/calibration.txt); the latest such reading is returned. The excess, not the ratio
         alone, decides because an in-place scale-up's warm instances dilute the new one's cold executions.
         Measured on a real tritonserver:
         sim_accel with an 800-ms first execution and 50 ms more per new batch size read about 100 executions'
@@ -597,7 +603,9 @@ class ServiceTimes:
         more, 106.8 executions' worth, 2.9x the curve: cold.
         """
         cold = [r for r in self.settle_readings() if _reads_cold(r)]
-        return cold[-1] if len(cold) >= COLD_START_SETTLES else None
+        if len(cold) >= COLD_START_SETTLES or any(r["excess_executions"] >= COLD_START_ONE for r in cold):
+            return cold[-1]
+        return None
 
     def summary(self, settings: Settings) -> dict[str, Any]:
         """For logs and status (JSON-ready). Example: {"alpha_ms": 6.171, "beta_ms": 1.634, "r2": 0.969,

@@ -343,8 +343,8 @@ class _Settles:
 def test_a_model_starts_cold_where_two_settles_ran_slow():
     times = ServiceTimes(half_life_s=None)
     feed = _Settles(times)
-    feed.settle(Settings(1, 0), cold_ms=800.0)
-    assert times.cold_start() is None                  # once: it may have been a stall of the machine
+    feed.settle(Settings(1, 0), cold_ms=300.0)         # 300 ms more: 37.5 executions' worth
+    assert times.cold_start() is None                  # once, and short: it may have been a stall of the machine
     feed.settle(Settings(2, 0), cold_ms=800.0)
     # 50 left out at two instances, 50 x 8 + 800 = 1,200 ms: 24 ms each against 8; 800 ms more = 100 executions
     assert times.cold_start() == {"instances": 2, "delay_us": 0, "executions": 50, "ms": 24.0, "usual_ms": 8.0,
@@ -353,15 +353,19 @@ def test_a_model_starts_cold_where_two_settles_ran_slow():
     assert times.cold_start()["instances"] == 2        # still cold: two of the last settles
     for _ in range(6):
         feed.settle(Settings(1, 0), cold_ms=0.0)
-    assert times.cold_start() is None                  # the cold ones left the last COLD_START_KEPT settles
+    assert times.cold_start()["instances"] == 2        # the short one left; the long one (100 executions) stands alone
+    feed.settle(Settings(1, 0), cold_ms=0.0)
+    assert times.cold_start() is None                  # both left the last COLD_START_KEPT settles
 
 
-@pytest.mark.parametrize("cold_ms, cold", [(0.0, False), (100.0, False), (190.0, False), (210.0, True)])
-def test_a_settle_reads_cold_from_its_own_length_in_executions(cold_ms, cold):
+@pytest.mark.parametrize("cold_ms, settles, cold", [
+    (0.0, 2, False), (100.0, 2, False), (190.0, 2, False), (210.0, 2, True),
+    (210.0, 1, False), (390.0, 1, False), (410.0, 1, True)])   # one settle alone: from 50 x 8 = 400 ms more
+def test_a_settle_reads_cold_from_its_own_length_in_executions(cold_ms, settles, cold):
     # one instance: 30 left out (0, 10, 20 at their start < 25) at 8 ms; cold from 25 x 8 = 200 ms more
     times = ServiceTimes(half_life_s=None)
     feed = _Settles(times)
-    for _ in range(2):
+    for _ in range(settles):
         feed.settle(Settings(1, 0), cold_ms=cold_ms)
     assert (times.cold_start() is not None) == cold, times.cold_start()
 
@@ -470,7 +474,8 @@ def test_no_fit_or_nothing_left_out_reads_nothing():
     feed.settle(Settings(2, 0), cold_ms=800.0, after=1)
     assert times.fit(Settings(2, 0)) is None and times.cold_start() is None
     feed.settle(Settings(2, 0), cold_ms=0.0)                # 2 x 0us now has a curve: its cold settle reads cold,
-    assert times.fit(Settings(2, 0)) is not None and times.cold_start() is None   # 1 x 0us's (no curve) reads nothing
+    assert times.fit(Settings(2, 0)) is not None                                  # 1 x 0us's (no curve) reads nothing
+    assert [(r["instances"], r["excess_executions"]) for r in times.settle_readings()] == [(2, 100.0), (2, 0.0)]
     quiet = ServiceTimes(half_life_s=None)
     for t in range(10):                                # no traffic: nothing is left out, nothing read
         quiet.add(Settings(1, 0), _stats({}), float(t))
