@@ -698,6 +698,6 @@ class ServerSupervisor:
                 return
             record.update(ok=True, took_s=round(self._clock() - t0, 2), pid=self.server.process.pid)
             self._restarted()
-        how = " with the controller's live configs" if configs else ""
+        how = " with the live configs they had" if configs else " from their files"
         self._say(f"tritonserver started again in {record['took_s']:.1f} s (pid {record['pid']}), same ports; its "
                   f"models loaded{how}")

@@ -58,10 +58,11 @@ def test_two_minutes_of_serve_under_varying_load_stay_flat():
     run = lambda: long_run.long_run(minutes=2.0, every_s=3.0, phase_s=20.0, low_rps=20.0, high_rps=200.0,  # noqa: E731
                                     target_ms=28.0, log=lambda _: None)
     doc = run()
-    if doc["serve_exit"] != 0 and "tritonserver exited with code" in doc["serve_tail"]:
+    if "tritonserver exited with code" in doc["serve_tail"]:
         # tritonserver itself aborted (CI of stop 33: a std::length_error ~90 s in, not reproduced in 3 more runs
         # nor under a stress of trace-setting changes and reloads; README, "Server failures seen in the benches"):
-        # nothing about growth can be judged from that run. Once more on a fresh serve; a second death fails.
+        # nothing about growth can be judged from that run, whether serve stopped or started it again (its
+        # requests in flight failed). Once more on a fresh serve; a second death fails.
         warnings.warn("tritonserver died under the long run; running it again\n" + _report(doc))
         doc = run()
     samples = doc["samples"]
