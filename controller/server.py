@@ -348,9 +348,10 @@ class TritonServer:
         `models` does not list (an ensemble's step), loaded with its override too."""
         o = self.options
         names = self._load_order(configs or {})
-        for label, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
-            if _port_in_use(o.host, port):
-                raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower().replace('grpc', 'grpc')}-port")
+        taken = self._taken_port()
+        if taken is not None:
+            label, port = taken
+            raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower().replace('grpc', 'grpc')}-port")
         binary, self.embedded = find_tritonserver(o.tritonserver)
         precompile_models(Path(o.repository), names)
         self._workdir = Path(tempfile.mkdtemp(prefix="triton-ctl-"))
@@ -376,10 +377,9 @@ class TritonServer:
         configs = configs or {}
         names = self._load_order(configs)
         self._halt()
-        for label, port in (("HTTP", self.options.http_port), ("gRPC", self.options.grpc_port),
-                            ("metrics", self.options.metrics_port)):
-            if _port_in_use(self.options.host, port):
-                raise ServerError(f"{label} port {self.options.host}:{port} was taken while tritonserver was down")
+        taken = self._taken_port()
+        if taken is not None:
+            raise ServerError(f"{taken[0]} port {self.options.host}:{taken[1]} was taken while tritonserver was down")
         try:
             self._launch()
             self._load_models(names, configs)
@@ -387,6 +387,14 @@ class TritonServer:
             self._halt()
             raise
         return self
+
+    def _taken_port(self) -> tuple[str, int] | None:
+        """The first of the server's ports that something holds, as (label, port); None where all are free."""
+        o = self.options
+        for label, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
+            if _port_in_use(o.host, port):
+                return label, port
+        return None
 
     def _load_order(self, configs: Mapping[str, dict]) -> list[str]:
         """The models to load, in order: a model only `configs` names (an ensemble's step) first, then those with an

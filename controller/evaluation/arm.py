@@ -120,18 +120,17 @@ class ConfigKeeper(threading.Thread):
         self.urls, self.models, self.every_s = (grpc_url, http_url), list(models), every_s
         self.configs: dict[str, dict] = {}
         self.stop_event = threading.Event()
+        self._control = None                    # one client for the keeper's life (opened at the first read)
 
     def read(self) -> None:
         from ..actuation import TritonControl
-        control = TritonControl(*self.urls, timeout_s=5.0)
-        try:
-            for name in self.models:
-                try:
-                    self.configs = {**self.configs, name: control.config(name)}   # why: replaced, never edited
-                except Exception:  # noqa: BLE001 - the server is down or reloading: the last read stands
-                    pass
-        finally:
-            control.close()
+        if self._control is None:
+            self._control = TritonControl(*self.urls, timeout_s=5.0)
+        for name in self.models:
+            try:
+                self.configs = {**self.configs, name: self._control.config(name)}   # why: replaced, never edited
+            except Exception:  # noqa: BLE001 - the server is down or reloading: the last read stands
+                pass
 
     def run(self) -> None:
         while not self.stop_event.wait(self.every_s):
@@ -141,6 +140,8 @@ class ConfigKeeper(threading.Thread):
         self.stop_event.set()
         if self.ident is not None:      # started
             self.join(timeout=10)
+        if self._control is not None:
+            self._control.close()
 
 
 class StatsSampler(threading.Thread):
@@ -343,8 +344,8 @@ def run_arm(spec: ArmSpec) -> ArmRun:
             keeper.stop()
             control.close()
             if supervisor is not None:
-                supervisor.lock.acquire()   # why: a restart under way ends before the server stops (with's exit)
-                supervisor.lock.release()
+                with supervisor.lock:       # why: a restart under way ends before the server stops (with's exit)
+                    pass
 
 
 def settings_dict(settings: Settings | None) -> dict | None:
