@@ -237,9 +237,9 @@ class Controller:
         """For a server this controller's caller starts again after it died (`serve`, server.ServerSupervisor): the
         load overrides of `first_load_configs`, with the live config the loop last read in place of the file's for
         each model it manages that was loaded then (the instances and delay it had chosen, with its owner mark), so
-        that the restarted server runs what the dead one ran. Ensembles and decoupled models load from their files,
-        as at the first start. May run in another thread than the loop: it reads each model's last config, a dict
-        the loop replaces, never edits."""
+        that the restarted server runs what the dead one ran. The supervisor takes these over its own snapshot (every
+        model the server ran, its live config read every 5 s) for the models it loads. May run in another thread than
+        the loop: it reads each model's last config, a dict the loop replaces, never edits."""
         configs = self.first_load_configs(repository, names)
         for mm in list(self.models.values()):
             cfg = mm.live_config

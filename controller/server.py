@@ -175,6 +175,34 @@ def is_model_folder(folder: Path) -> bool:
         return False
 
 
+def missing_python_file(folder: Path, config: dict | None = None) -> str | None:
+    """Where `folder` holds a Python-backend model (its config, `config` or its config.pbtxt, says `backend:
+    "python"`) whose model file (`model.py`, or its `default_model_filename`) is in none of its numeric version
+    folders (or, under the default version policy, not in the newest), that file's expected path; else None.
+    Why: Triton 2.51's Python backend does not answer the load of such a model (its stub says "Python model file
+    not found" and the load waits; measured here: no answer in 300 s), so serve checks before it asks."""
+    folder = Path(folder)
+    try:
+        text = (folder / "config.pbtxt").read_text(errors="replace") if (folder / "config.pbtxt").is_file() else ""
+        versions = sorted((v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()), key=lambda v: int(v.name))
+    except OSError:
+        return None                     # why: not ours to judge; the server's load says what is wrong
+    if config is not None:
+        backend, filename = config.get("backend"), config.get("default_model_filename") or None
+        policy = bool(config.get("version_policy"))
+    else:
+        m = re.search(r'^\s*backend\s*:\s*"([^"]*)"', text, re.M)
+        f = re.search(r'^\s*default_model_filename\s*:\s*"([^"]*)"', text, re.M)
+        backend, filename, policy = m and m.group(1), f and f.group(1), "version_policy" in text
+    if backend != "python" or not versions:
+        return None
+    filename = filename or "model.py"
+    looked = versions if policy else versions[-1:]
+    if any((v / filename).is_file() for v in looked):
+        return None
+    return str(looked[-1] / filename)
+
+
 def repository_models(repository: Path) -> list[str]:
     """Every folder of the repository that holds a model (`is_model_folder`), sorted."""
     return sorted(p.name for p in Path(repository).iterdir() if is_model_folder(p))
@@ -365,28 +393,30 @@ class TritonServer:
             raise
         return self
 
-    def restart(self, configs: Mapping[str, dict] | None = None) -> "TritonServer":
+    def restart(self, configs: Mapping[str, dict] | None = None, names: list[str] | None = None,
+                cancel: threading.Event | None = None) -> list[str]:
         """Start the server again after its process died (see ServerSupervisor): the same command (ports, key, trace
-        file, shm prefix), work dir and log (appended to), the models loaded as `start` loads them, `configs` being
-        the overrides to load them with now (the controller's last live configs: the instances and delay it had
-        chosen). What the dead one left (stub processes, shared-memory regions) is removed first. Raises ServerError
-        where it cannot start or a model fails to load; the process is then stopped, the work dir kept for another
-        try (`stop` removes it)."""
+        file, shm prefix), work dir and log (appended to). `names`: the models to load (what the dead one ran; None:
+        those `start` loads), in `start`'s order, `configs` being the overrides to load them with now (their last
+        live configs: the instances and delay the controller had chosen). What the dead one left (stub processes,
+        shared-memory regions) is removed first. A model that fails to load now is left out, not the whole server:
+        the others ran minutes ago and their clients wait; the returned list says which, with why. Raises ServerError
+        where the server cannot start, or `cancel` is set meanwhile (serve stops); the process is then stopped, the
+        work dir kept for another try (`stop` removes it)."""
         if self._workdir is None:
             raise ServerError("restart() of a server that was never started")
         configs = configs or {}
-        names = self._load_order(configs)
+        order = self._load_order(configs, names)
         self._halt()
         taken = self._taken_port()
         if taken is not None:
             raise ServerError(f"{taken[0]} port {self.options.host}:{taken[1]} was taken while tritonserver was down")
         try:
-            self._launch()
-            self._load_models(names, configs)
+            self._launch(cancel)
+            return self._load_models(order, configs, cancel, strict=False)
         except BaseException:
             self._halt()
             raise
-        return self
 
     def _taken_port(self) -> tuple[str, int] | None:
         """The first of the server's ports that something holds, as (label, port); None where all are free."""
@@ -396,15 +426,18 @@ class TritonServer:
                 return label, port
         return None
 
-    def _load_order(self, configs: Mapping[str, dict]) -> list[str]:
+    def _load_order(self, configs: Mapping[str, dict], names: list[str] | None = None) -> list[str]:
         """The models to load, in order: a model only `configs` names (an ensemble's step) first, then those with an
-        override, then the rest."""
+        override, then the rest (an ensemble after its steps). `names`: the models to load, `model_names()` if None
+        (then `configs` may add some; with `names`, `configs` names none that it lacks)."""
         repo = Path(self.options.repository)
+        if names is not None:
+            return [n for n in names if n in configs] + [n for n in names if n not in configs]
         names = self.model_names()
         extra = [n for n in configs if n not in names and is_model_folder(repo / n)]
         return extra + [n for n in names if n in configs] + [n for n in names if n not in configs]
 
-    def _launch(self) -> None:
+    def _launch(self, cancel: threading.Event | None = None) -> None:
         """Spawn the server process (its log appended to) and wait until it is live."""
         backend = self._workdir / "backends"
         backend_dir = (backend if backend.is_dir() else assemble_backend_dir(backend)) if self.embedded else None
@@ -416,11 +449,17 @@ class TritonServer:
             stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True,
         )
         log_file.close()
-        self._wait_live(self.options.startup_timeout_s)
+        self._wait_live(self.options.startup_timeout_s, cancel)
 
-    def _load_models(self, names: list[str], configs: Mapping[str, dict]) -> None:
+    def _load_models(self, names: list[str], configs: Mapping[str, dict], cancel: threading.Event | None = None,
+                     strict: bool = True) -> list[str]:
+        """Load `names` in order, each with its override in `configs` (the file where that is refused). A model that
+        fails: `strict` (a start) raises; otherwise it is left out and named, with why, in the returned list."""
         o = self.options
+        failed: list[str] = []
         for name in names:
+            if cancel is not None and cancel.is_set():
+                raise ServerError("stopped while its models were loading")
             config = configs.get(name)
             if config is not None:
                 try:
@@ -431,6 +470,9 @@ class TritonServer:
             try:
                 self.load_model(name)
             except ServerError as e:
+                if not strict:
+                    failed.append(str(e))
+                    continue
                 others = [n for n in names if n != name]
                 if o.models is None and others:
                     # why: one broken model of a user's repository stops it all, as tritonserver's own start does
@@ -439,6 +481,7 @@ class TritonServer:
                                       f"as tritonserver does: to serve the others, name them: --models "
                                       f"{','.join(others)}") from None
                 raise
+        return failed
 
     def _http(self, method: str, path: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
@@ -456,9 +499,11 @@ class TritonServer:
             except ValueError:
                 return e.code, {"error": raw.decode(errors="replace")}
 
-    def _wait_live(self, timeout_s: float) -> None:
+    def _wait_live(self, timeout_s: float, cancel: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise ServerError("stopped while tritonserver was starting")
             if self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode} during start-up: {self.log_tail()}")
             try:
@@ -469,7 +514,34 @@ class TritonServer:
             time.sleep(0.2)
         raise ServerError(f"tritonserver was not live after {timeout_s:.0f} s: {self.log_tail()}")
 
+    def live_models(self, timeout_s: float = 5.0) -> dict[str, dict | None]:
+        """What the server runs now: each model its repository index lists READY or LOADING (a full reload keeps a
+        model READY; an unload makes it UNLOADING, then UNAVAILABLE), with its live config (`GET
+        /v2/models/<m>/config`), None where that read failed (a model still loading). Raises ServerError where the
+        index cannot be read."""
+        try:
+            status, index = self._http("POST", "/v2/repository/index", {}, timeout=timeout_s)
+        except (OSError, ValueError) as e:
+            raise ServerError(f"cannot read the repository index: {e}") from None
+        if status != 200 or not isinstance(index, list):
+            raise ServerError(f"cannot read the repository index: HTTP {status} {index}")
+        running: dict[str, dict | None] = {}
+        for entry in index:
+            name = entry.get("name")
+            if not name or entry.get("state") not in ("READY", "LOADING") or name in running:
+                continue
+            try:
+                status, config = self._http("GET", f"/v2/models/{name}/config", timeout=timeout_s)
+            except (OSError, ValueError):
+                status, config = 0, None
+            running[name] = config if status == 200 and isinstance(config, dict) else None
+        return running
+
     def load_model(self, name: str, config: dict | None = None) -> None:
+        missing = missing_python_file(Path(self.options.repository) / name, config)
+        if missing is not None:
+            raise ServerError(f"model '{name}' failed to load: {missing} not found (a Python model's file; Triton's "
+                              "Python backend would wait for it without an answer)")
         body = None if config is None else {"parameters": {"config": json.dumps(config)}}
         status, body = self._http("POST", f"/v2/repository/models/{name}/load", body)
         if status != 200:
@@ -617,24 +689,31 @@ class RestartBudget:
 
 class ServerSupervisor:
     """Watch a started TritonServer; where its process exits on its own, keep a copy of its log and start it again
-    (TritonServer.restart: same ports and key) within a RestartBudget, loading the models with the overrides
-    `configs()` returns then (the controller's live configs: the instances and delay it had chosen, its owner mark).
-    Where the budget is spent (at once with `max_restarts` 0), `stop` and `gave_up` are set and `last_words` says
-    why. Requests in flight when the server died are lost (their clients see an error), and those sent while it
-    is down are refused; nothing else is.
+    (TritonServer.restart: same ports and key) within a RestartBudget, with what it ran. Where the budget is spent
+    (at once with `max_restarts` 0), `stop` and `gave_up` are set and `last_words` says why. Requests in flight when
+    the server died are lost (their clients see an error), and those sent while it is down are refused; nothing
+    else is.
+
+    What it ran: every `snapshot_s` (and at the start) the watch reads the models the server runs and their live
+    configs (TritonServer.live_models): those serve loaded, those an operator loaded by hand since, with whatever
+    config they were loaded with; not one an operator unloaded. A restart loads those, each with its last live
+    config (an ensemble from its file, after its steps), where `configs()` (the controller's: read every tick, its
+    owner mark in) gives a fresher one for a model it manages. A model loaded less than `snapshot_s` before the
+    death can be missed; without any snapshot (a death in the first moment) the restart loads what `start` loaded.
 
     Why restart: Triton 2.51 has crashed under load after an in-place instance-count change (SIGSEGV in its request
     free; upstream issue 7723), twice in this project's runs, and a server that stays down loses every request after.
 
     The watch runs in a thread that lives until `stop` is set, and the restarted process is spawned from it: Linux's
     parent-death signal (spawn_dying_with_parent) follows the *thread* that spawned, so the server must not be
-    spawned from a thread that ends sooner. `lock` is held through a restart: the owner takes it before `stop()`, so
-    that a restart under way finishes (or fails) first."""
+    spawned from a thread that ends sooner. `lock` is held through a restart: the owner sets `stop` (which ends a
+    restart under way at its next step: the server's start-up wait, or between two models' loads), then takes the
+    lock before `stop()`, so that no restart leaves a server behind."""
 
     def __init__(self, server: TritonServer, stop: threading.Event,
                  configs: Callable[[], Mapping[str, dict]] | None = None, budget: RestartBudget | None = None,
                  say: Callable[[str], None] | None = None, on_restart: Callable[[list[dict]], None] | None = None,
-                 poll_s: float = 0.5,
+                 poll_s: float = 0.5, snapshot_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic):
         self.server = server
         self.stop = stop
@@ -643,10 +722,12 @@ class ServerSupervisor:
         self.gave_up = threading.Event()
         self.last_words: str | None = None
         self.restarts: list[dict] = []      # {"at": wall time, "exit", "log", "ok", and "took_s", "pid" or "error"}
+        self.running: dict[str, dict | None] | None = None   # the last snapshot: model -> live config (None: unread)
         self._configs = configs
         self._on_restart = on_restart
         self._say = say or log.warning
         self._poll_s = poll_s
+        self._snapshot_s = snapshot_s
         self._clock = clock
         self._failed: str | None = None     # a restart's error, read as the next death
         self._thread: threading.Thread | None = None
@@ -664,8 +745,36 @@ class ServerSupervisor:
         self._thread.start()
         return self
 
+    def snapshot(self) -> None:
+        """Read what the server runs now into `running`; a config that could not be read keeps the last one read, a
+        failed index read keeps the whole last snapshot."""
+        try:
+            now = self.server.live_models()
+        except Exception as e:  # noqa: BLE001 - ServerError, OSError: the server is down or busy; the last stands
+            log.debug("cannot read what the server runs: %s", e)
+            return
+        last = self.running or {}
+        self.running = {name: config if config is not None else last.get(name) for name, config in now.items()}
+
+    def _what_ran(self) -> tuple[list[str] | None, dict[str, dict]]:
+        """The models to load at a restart and their overrides (see the class doc)."""
+        fresher = dict(self._configs()) if self._configs is not None else {}
+        if self.running is None:
+            return None, fresher
+        names = list(self.running)
+        configs = {n: c for n, c in self.running.items() if c is not None and c.get("platform") != "ensemble"}
+        configs.update((n, c) for n, c in fresher.items() if n in self.running)
+        return names, configs
+
     def _watch(self) -> None:
-        while not self.stop.wait(self._poll_s):
+        next_snapshot = self._clock()
+        while True:
+            if self._clock() >= next_snapshot and self.server.process is not None \
+                    and self.server.process.poll() is None and self._failed is None:
+                self.snapshot()
+                next_snapshot = self._clock() + self._snapshot_s
+            if self.stop.wait(self._poll_s):
+                return
             if self._failed is not None:
                 why, self._failed, kept = self._failed, None, None
                 ended = "did not start again"
@@ -697,15 +806,20 @@ class ServerSupervisor:
             self.restarts.append(record)
             t0 = self._clock()
             try:
-                configs = self._configs() if self._configs is not None else None
-                self.server.restart(configs)
+                names, configs = self._what_ran()
+                not_loaded = self.server.restart(configs, names, cancel=self.stop)
             except Exception as e:  # noqa: BLE001 - ServerError, OSError: counted, said, and tried again
                 record["error"] = " ".join(str(e).split())[:600]
-                self._failed = f"tritonserver did not start again: {record['error']}"
+                if not self.stop.is_set():      # why: a stop of serve's own is no failure to try again
+                    self._failed = f"tritonserver did not start again: {record['error']}"
                 self._restarted()
                 return
             record.update(ok=True, took_s=round(self._clock() - t0, 2), pid=self.server.process.pid)
+            if not_loaded:
+                record["not_loaded"] = [" ".join(e.split())[:300] for e in not_loaded]
             self._restarted()
         how = " with the live configs they had" if configs else " from their files"
-        self._say(f"tritonserver started again in {record['took_s']:.1f} s (pid {record['pid']}), same ports; its "
-                  f"models loaded{how}")
+        which = "its models" if names is None else f"{len(names) - len(not_loaded)} model(s)"
+        left = f"; not loaded: {'; '.join(record['not_loaded'])}" if not_loaded else ""
+        self._say(f"tritonserver started again in {record['took_s']:.1f} s (pid {record['pid']}), same ports; "
+                  f"{which} loaded{how}{left}")

@@ -25,8 +25,8 @@ import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on
 from conftest import ROOT, process_alive, sim_copy, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.ownership import mark_of
-from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, remove_shm_regions,
-                               repository_models, spawn_dying_with_parent)
+from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port,
+                               missing_python_file, remove_shm_regions, repository_models, spawn_dying_with_parent)
 from controller.types import Settings
 
 
@@ -247,6 +247,39 @@ def test_model_that_fails_to_load_is_a_clear_error(tmp_path):
     (repo / "broken" / "1" / "model.py").write_text("raise RuntimeError('this model cannot load')\n")
     with pytest.raises(ServerError, match="model 'broken' failed to load"):
         start_server(["broken"], repository=repo)
+
+
+def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path):
+    """Triton 2.51's Python backend never answers the load of a model whose model.py is missing (300 s here, then
+    the client's timeout): serve finds it first, in the newest version folder (the default policy) or any (a policy
+    of the config's), under the file name the config gives; a model of another backend is not its business."""
+    def model(name: str, config: str, files: dict[str, str]) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(config)
+        for rel in files:
+            (tmp_path / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / rel).write_text("")
+        return tmp_path / name
+    py = 'backend: "python"\n'
+    assert missing_python_file(model("ok", py, {"1/model.py": ""})) is None
+    assert missing_python_file(model("none", py, {"1/other.py": ""})) == str(tmp_path / "none" / "1" / "model.py")
+    newest = str(tmp_path / "old" / "2" / "model.py")
+    assert missing_python_file(model("old", py, {"1/model.py": "", "2/x": ""})) == newest
+    policy = py + "version_policy: { all {} }\n"
+    assert missing_python_file(model("pol", policy, {"1/model.py": "", "2/x": ""})) is None
+    assert missing_python_file(model("named", py + 'default_model_filename: "m.py"\n', {"1/m.py": ""})) is None
+    assert missing_python_file(model("onnx", 'backend: "onnxruntime"\n', {"1/x": ""})) is None
+    assert missing_python_file(model("cmt", '# backend: "python"\nbackend: "onnxruntime"\n', {"1/x": ""})) is None
+    folder = model("live", 'backend: "onnxruntime"\n', {"1/x": ""})       # the config given wins over the file
+    assert missing_python_file(folder, {"backend": "python"}) == str(folder / "1" / "model.py")
+    assert missing_python_file(tmp_path / "absent") is None
+    repo = tmp_path / "repo"
+    sim_copy(repo, "nofile", {})
+    (repo / "nofile" / "1" / "model.py").unlink()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=r"model 'nofile' failed to load: .*nofile/1/model.py not found"):
+        start_server(["nofile"], repository=repo)
+    assert time.monotonic() - t0 < 60
 
 
 def test_a_model_whose_initialize_raises_is_one_line_naming_where_and_how_to_serve_the_others(tmp_path):
@@ -563,7 +596,8 @@ def _status_until(url: str, cond, timeout_s: float = 30.0) -> dict:
 def test_serve_starts_a_dead_server_again_with_its_live_configs(tmp_path):
     """SIGSEGV under serve (Triton 2.51 has crashed so after an in-place scale-up): serve starts tritonserver again on
     the same ports, the model loaded with the live config it had (2 instances and 700 us set by an operator, where
-    the file says 1 and 0 us), the controller goes on, and `status` names the restart."""
+    the file says 1 and 0 us), and a model the operator loaded by hand (not serve's) loaded again too; the controller
+    goes on, and `status` names the restart."""
     env = {**os.environ, "TRITON_AUTOTUNE_RUN_DIR": str(tmp_path), "TRITON_ADMIN_KEY": "k123"}
     lines: list[str] = []
     # why --dry-run: the controller changes nothing itself, so the live config is the operator's throughout
@@ -577,6 +611,8 @@ def test_serve_starts_a_dead_server_again_with_its_live_configs(tmp_path):
         client.load_model("sim_accel", config=json.dumps(cfg), headers={"admin-key": "k123"})
         status_url = re.search(r"or (http://127\.0\.0\.1:\d+/status)", "".join(lines)).group(1)
         _status_until(status_url, lambda m: m.get("instances") == 2)   # the controller read the operator's config
+        client.load_model("resnet_tiny", headers={"admin-key": "k123"})
+        time.sleep(6)                                   # why: serve reads what the server runs every 5 s
         before = subprocess.run(["pgrep", "-f", f"http-port={http_port}"], capture_output=True,
                                 text=True).stdout.split()
         assert len(before) == 1
@@ -591,6 +627,7 @@ def test_serve_starts_a_dead_server_again_with_its_live_configs(tmp_path):
         assert live["instance_group"][0]["count"] == 2, live["instance_group"]
         assert int(live["dynamic_batching"]["max_queue_delay_microseconds"]) == 700
         assert _infer(client, np.ones((1, 16), np.float32), "sim_accel", "INPUT", "OUTPUT").shape[0] == 1
+        assert client.is_model_ready("resnet_tiny")
         shown = subprocess.run([sys.executable, "-m", "controller", "status"], cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=60)
         assert shown.returncode == 0, shown.stderr

@@ -6,6 +6,7 @@ test_serve_starts_a_dead_server_again_with_its_live_configs."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 from controller.evaluation.arm import ArmSpec, run_arm
 from controller.server import RestartBudget, ServerError, ServerSupervisor, exit_words
 from controller.types import Settings
+from conftest import ROOT, sim_copy, start_server
 
 
 @pytest.mark.parametrize("code, words", [
@@ -70,13 +72,19 @@ class _Proc:
 
 
 class _Server:
-    """What the supervisor uses of a TritonServer: process, keep_log, log_tail, restart."""
+    """What the supervisor uses of a TritonServer: process, keep_log, log_tail, live_models, restart. `running`: what
+    live_models answers (None: the read fails, as it does on a server that does not answer)."""
 
-    def __init__(self, fail_restarts: int = 0):
+    def __init__(self, fail_restarts: int = 0, running: dict | None = None, not_loaded: list | None = None):
         self.process = _Proc()
         self.restarted_with: list = []
+        self.loaded_names: list = []
         self.fail_restarts = fail_restarts
         self.kept: list[bool] = []
+        self.running = running
+        self.not_loaded = not_loaded or []
+        self.in_restart = threading.Event()
+        self.hold: threading.Event | None = None      # set: a restart waits until cancelled (a slow start)
 
     def die(self, code: int = -11) -> None:
         self.process.returncode = code
@@ -88,14 +96,26 @@ class _Server:
     def log_tail(self) -> str:
         return "Signal (11) received."
 
-    def restart(self, configs=None):
+    def live_models(self):
+        if self.running is None:
+            raise ServerError("cannot read the repository index: connection refused")
+        return dict(self.running)
+
+    def restart(self, configs=None, names=None, cancel=None):
         self.restarted_with.append(configs)
+        self.loaded_names.append(names)
+        self.in_restart.set()
+        if self.hold is not None:
+            while not cancel.wait(0.01):
+                pass
+            self.process = None
+            raise ServerError("stopped while tritonserver was starting")
         if self.fail_restarts:
             self.fail_restarts -= 1
             self.process = None
             raise ServerError("HTTP port 127.0.0.1:8000 was taken while tritonserver was down")
         self.process = _Proc()
-        return self
+        return list(self.not_loaded)
 
 
 def _wait_for(cond, timeout_s: float = 5.0) -> None:
@@ -182,6 +202,88 @@ def test_the_owner_holding_the_lock_keeps_a_restart_from_starting():
     assert server.restarted_with == []
 
 
+def test_a_restart_loads_what_ran_with_the_live_configs_read_last():
+    """The snapshot: a model serve loaded and one an operator loaded by hand, each with its live config (the
+    controller's fresher one where it has one), an ensemble from its file; not a model the controller still holds
+    a config for that is no longer loaded, nor one whose read failed this time and never succeeded."""
+    ens = {"name": "ens", "platform": "ensemble"}
+    server = _Server(running={"m": {"name": "m", "count": 1}, "hand": {"name": "hand", "count": 3}, "ens": ens})
+    stop, said = threading.Event(), []
+    fresher = {"m": {"name": "m", "count": 2}, "gone": {"name": "gone", "count": 1}}
+    sup = ServerSupervisor(server, stop, configs=lambda: fresher, budget=RestartBudget(3, backoff_s=0.01),
+                           say=said.append, poll_s=0.01, snapshot_s=0.01).start()
+    try:
+        _wait_for(lambda: sup.running is not None)
+        server.die()
+        _wait_for(lambda: sup.restarts and sup.restarts[-1].get("ok"))
+        assert server.loaded_names == [["m", "hand", "ens"]]
+        assert server.restarted_with == [{"m": {"name": "m", "count": 2}, "hand": {"name": "hand", "count": 3}}]
+        assert said[1].endswith("same ports; 3 model(s) loaded with the live configs they had"), said
+    finally:
+        stop.set()
+
+
+def test_a_snapshot_keeps_the_last_config_read_and_drops_a_model_no_longer_running():
+    server = _Server(running={"m": {"count": 2}, "hand": {"count": 1}})
+    sup = ServerSupervisor(server, threading.Event())
+    sup.snapshot()
+    server.running = {"m": None}                   # m's config read failed; hand was unloaded by an operator
+    sup.snapshot()
+    assert sup.running == {"m": {"count": 2}}
+    server.running = None                          # the index read fails: the whole last snapshot stands
+    sup.snapshot()
+    assert sup.running == {"m": {"count": 2}}
+    assert sup._what_ran() == (["m"], {"m": {"count": 2}})
+
+
+def test_without_a_snapshot_it_loads_what_start_loaded():
+    server, stop = _Server(running=None), threading.Event()
+    sup = ServerSupervisor(server, stop, configs=lambda: {"m": {"count": 2}}, budget=RestartBudget(3),
+                           say=lambda _: None, poll_s=0.01).start()
+    try:
+        server.die()
+        _wait_for(lambda: sup.restarts and sup.restarts[-1].get("ok"))
+        assert server.loaded_names == [None] and server.restarted_with == [{"m": {"count": 2}}]
+    finally:
+        stop.set()
+
+
+def test_a_model_that_fails_to_load_again_is_left_out_and_named():
+    server = _Server(running={"m": {"count": 1}, "b": {"count": 1}},
+                     not_loaded=["model 'b' failed to load: no file 1/model.py"])
+    stop, said, told = threading.Event(), [], []
+    sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=said.append, on_restart=told.append,
+                           poll_s=0.01).start()
+    try:
+        _wait_for(lambda: sup.running is not None)
+        server.die()
+        _wait_for(lambda: sup.restarts and sup.restarts[-1].get("ok"))
+        _wait_for(lambda: len(said) == 2)
+        assert sup.restarts[0]["not_loaded"] == ["model 'b' failed to load: no file 1/model.py"]
+        assert said[1].endswith("1 model(s) loaded with the live configs they had; not loaded: model 'b' failed to "
+                                "load: no file 1/model.py"), said
+        assert not stop.is_set() and told[-1][0]["not_loaded"]
+    finally:
+        stop.set()
+
+
+def test_a_stop_during_a_restart_ends_it_at_once_and_is_no_failure():
+    """serve's Ctrl-C while the server starts again: the restart ends at its next step rather than after the
+    start-up (up to 120 s), and it is not counted as a start that failed."""
+    server, stop = _Server(running={"m": {"count": 1}}), threading.Event()
+    server.hold = threading.Event()
+    sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=lambda _: None, poll_s=0.01).start()
+    server.die()
+    assert server.in_restart.wait(5)
+    t0 = time.monotonic()
+    stop.set()
+    with sup.lock:                                   # what serve's stop does next
+        assert time.monotonic() - t0 < 2
+    sup._thread.join(5)
+    assert not sup._thread.is_alive() and sup._failed is None and not sup.gave_up.is_set()
+    assert sup.restarts[0]["error"] == "stopped while tritonserver was starting"
+
+
 def test_a_bench_arm_whose_server_dies_goes_on_with_its_config(tmp_path):
     """A static arm (2 instances, 300 us) under 40 req/s for 10 s, its tritonserver SIGSEGV'd 3 s in by the arm's
     helper: the arm starts it again with the arm's config, the requests after the gap are served, and the restart is
@@ -207,3 +309,65 @@ def test_a_bench_arm_whose_server_dies_goes_on_with_its_config(tmp_path):
     assert failed, "the crash cost no request: was the server killed?"
     assert min(failed) > 2.5 and max(failed) < 7.0, (min(failed), max(failed), len(failed))
     assert sum(r.ok for r in records if r.scheduled_s >= 7.0) == sum(schedule >= 7.0)
+
+
+def test_a_real_restart_loads_a_model_loaded_by_hand_and_leaves_out_one_that_no_longer_loads(tmp_path):
+    """A real tritonserver started with one model; an operator loads two more by hand, one with 2 instances. Its
+    SIGSEGV: the supervisor's snapshot has all three, the restart loads the first two with their live configs and
+    leaves out the third, whose model file was removed meanwhile (named in the record); the server serves on. Then
+    a restart with its stop already set ends during the start-up wait."""
+    for name in ("sim_b", "sim_c"):
+        sim_copy(tmp_path, name, {})
+    shutil.copytree(ROOT / "model_repository" / "sim_accel", tmp_path / "sim_accel",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    server = start_server(["sim_accel"], repository=tmp_path)
+    stop, said, sup = threading.Event(), [], None
+    try:
+        server.load_model("sim_c")                           # by hand, as an operator would
+        server.load_model("sim_b")
+        _, cfg = server._http("GET", "/v2/models/sim_b/config")
+        cfg["instance_group"][0]["count"] = 2
+        server.load_model("sim_b", cfg)
+        running = server.live_models()
+        assert set(running) == {"sim_accel", "sim_b", "sim_c"}
+        assert running["sim_b"]["instance_group"][0]["count"] == 2
+        sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=said.append, poll_s=0.05).start()
+        _wait_for(lambda: sup.running is not None and len(sup.running) == 3)
+        (tmp_path / "sim_c" / "1" / "model.py").unlink()
+        os.kill(server.process.pid, signal.SIGSEGV)
+        _wait_for(lambda: len(said) >= 2, timeout_s=90)
+        assert len(said) == 2, said
+        rec = sup.restarts[0]
+        assert rec["ok"], rec
+        assert len(rec["not_loaded"]) == 1 and rec["not_loaded"][0].startswith("model 'sim_c' failed to load"), rec
+        assert "2 model(s) loaded with the live configs they had; not loaded: model 'sim_c'" in said[1], said
+        _wait_for(lambda: set(sup.running) == {"sim_accel", "sim_b"})      # the next snapshot: what runs now
+        assert sup.running["sim_b"]["instance_group"][0]["count"] == 2
+        status, _ = server._http("POST", "/v2/models/sim_b/infer", {"inputs": [
+            {"name": "INPUT", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
+        assert status == 200
+    finally:
+        stop.set()
+        if sup is not None:
+            sup._thread.join(30)                # why: one thread at a time restarts a TritonServer
+    try:
+        cancel = threading.Event()
+        cancel.set()
+        t0 = time.monotonic()
+        with pytest.raises(ServerError, match="stopped while tritonserver was starting"):
+            server.restart({}, ["sim_accel"], cancel=cancel)
+        assert server.process is None and time.monotonic() - t0 < 10
+    finally:
+        server.stop()
+
+
+def test_status_names_a_restart_and_the_models_it_left_out():
+    from controller.status import format_header
+    doc = {"time": 1000.0, "server": {"http_url": "h", "grpc_url": "g", "metrics_url": "m"},
+           "source": {"kind": "serve", "pid": 7, "started": 900.0, "server_restarts": [
+               {"at": 990.0, "exit": "exited with code -11 (SIGSEGV)", "log": "/tmp/t.log", "ok": True,
+                "not_loaded": ["model 'b' failed to load: /r/b/1/model.py not found"]}]}}
+    line = format_header(doc)[1]
+    assert line.startswith("tritonserver died and was restarted 1 time(s); last at "), line
+    assert line.endswith("exited with code -11 (SIGSEGV), started again without 1 model(s) that failed to load "
+                         "(model 'b' failed to load: /r/b/1/model.py not found); its log then: /tmp/t.log"), line

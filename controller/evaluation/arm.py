@@ -20,8 +20,8 @@
    the client and stops the server.
 
 Throughout, a tritonserver that dies is started again as `serve` starts it (server.ServerSupervisor: same ports,
-each model with the live config a `ConfigKeeper` read last, at most 3 times), so that one crash of Triton's costs
-an arm the seconds it was down rather than the rest of its traffic; `ArmRun.server_restarts` lists them, and the
+each model with the live config its snapshot read last, every 2 s; at most 3 times), so that one crash of Triton's
+costs an arm the seconds it was down rather than the rest of its traffic; `ArmRun.server_restarts` lists them, and the
 bench reports them per arm.
 
 Every arm is judged on the same traffic, so everything but the settings and the controller is
@@ -108,40 +108,6 @@ class ArmRun:
                         "kind": rec.get("kind"), "reason": rec.get("reason"), "apply_s": rec.get("apply_s"),
                         "detail": rec.get("detail")})
         return out
-
-
-class ConfigKeeper(threading.Thread):
-    """Reads every model's live config every `every_s` (its own client), so that a server that died can be started
-    again with what it ran (`configs`, read by the ServerSupervisor): an arm's initial settings, the oracle's switch
-    or the controller's change. A failed read keeps the last one. Every arm gets it, so it costs all arms alike."""
-
-    def __init__(self, grpc_url: str, http_url: str, models: Sequence[str], every_s: float = STATS_EVERY_S):
-        super().__init__(daemon=True, name="config-keeper")
-        self.urls, self.models, self.every_s = (grpc_url, http_url), list(models), every_s
-        self.configs: dict[str, dict] = {}
-        self.stop_event = threading.Event()
-        self._control = None                    # one client for the keeper's life (opened at the first read)
-
-    def read(self) -> None:
-        from ..actuation import TritonControl
-        if self._control is None:
-            self._control = TritonControl(*self.urls, timeout_s=5.0)
-        for name in self.models:
-            try:
-                self.configs = {**self.configs, name: self._control.config(name)}   # why: replaced, never edited
-            except Exception:  # noqa: BLE001 - the server is down or reloading: the last read stands
-                pass
-
-    def run(self) -> None:
-        while not self.stop_event.wait(self.every_s):
-            self.read()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        if self.ident is not None:      # started
-            self.join(timeout=10)
-        if self._control is not None:
-            self._control.close()
 
 
 class StatsSampler(threading.Thread):
@@ -281,7 +247,6 @@ def run_arm(spec: ArmSpec) -> ArmRun:
         control = TritonControl(server.grpc_url, server.http_url)
         actuator = Actuator(control)
         controller = helper = sampler = supervisor = None
-        keeper = ConfigKeeper(server.grpc_url, server.http_url, spec.models)
         watching = threading.Event()
         try:
             for name in spec.models:
@@ -289,9 +254,8 @@ def run_arm(spec: ArmSpec) -> ArmRun:
                 if not result.ok:
                     raise ServerError(f"arm {spec.name}: cannot apply the initial config {spec.initial[name]} "
                                       f"to {name}: {result.error}")
-            keeper.read()
-            keeper.start()
-            supervisor = ServerSupervisor(server, watching, lambda: keeper.configs, RestartBudget(3),
+            # why: every arm alike, its live configs read every STATS_EVERY_S (from the initial ones just applied)
+            supervisor = ServerSupervisor(server, watching, budget=RestartBudget(3), snapshot_s=STATS_EVERY_S,
                                           say=lambda text: log(f"arm {spec.name}: {text}")).start()
             inputs = {name: make_inputs_from_config(server.http_url, name) for name in spec.models}
             run_doc = None
@@ -341,7 +305,6 @@ def run_arm(spec: ArmSpec) -> ArmRun:
                 controller.kill()
                 controller.wait(timeout=10)
             watching.set()
-            keeper.stop()
             control.close()
             if supervisor is not None:
                 with supervisor.lock:       # why: a restart under way ends before the server stops (with's exit)
