@@ -121,6 +121,13 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
         names = list(seen) or list(target.models) or [n for n, m in states.items() if m.get("state")] or list(states)
         models: dict[str, dict] = {}
         history = by_model(read_records(target.decision_log)) if snapshot is None else {}
+
+        def live_settings(name: str, m: dict) -> None:
+            try:
+                live = settings_of(control.config(name))
+                m.update(instances=live.instance_count, delay_us=live.max_queue_delay_us)
+            except Exception as e:  # noqa: BLE001
+                m["error"] = _short(e)
         for name in names:
             entry = states.get(name, {})
             m: dict[str, Any] = {"state": entry.get("state") or "NOT LOADED"}
@@ -129,14 +136,17 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
             if name in seen:
                 m.update(seen[name])
             elif m["state"] == "READY":
-                try:
-                    live = settings_of(control.config(name))
-                    m.update(instances=live.instance_count, delay_us=live.max_queue_delay_us)
-                except Exception as e:  # noqa: BLE001
-                    m["error"] = _short(e)
+                live_settings(name, m)
             if history.get(name):
                 m["log"] = history[name][-max(last, 1):]
             models[name] = m
+        for name, entry in states.items():
+            # why: what else the server runs (a model loaded by hand beside serve's) is what a user asks about next
+            if name in models or entry.get("state") not in ("READY", "LOADING"):
+                continue
+            models[name] = {"state": entry["state"], "unmanaged": True}
+            if entry["state"] == "READY":
+                live_settings(name, models[name])
     finally:
         control.close()
     doc: dict[str, Any] = {"time": time.time()}
@@ -228,6 +238,9 @@ def format_header(doc: dict) -> list[str]:
             last = restarts[-1]
             when = time.strftime("%H:%M:%S", time.localtime(last.get("at") or 0))
             then = "started again" if last.get("ok") else f"did not start again ({last.get('error')})"
+            failed = last.get("not_loaded") or []
+            if failed:
+                then += f" without {len(failed)} model(s) that failed to load ({'; '.join(failed)})"
             lines.append(f"tritonserver died and was restarted {len(restarts)} time(s); last at {when}: "
                          f"{last.get('exit')}, {then}; its log then: {last.get('log') or '?'}")
     else:
@@ -304,6 +317,8 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
     rows: list[tuple[str, str]] = []
     if m.get("error"):
         rows.append(("error", m["error"]))
+    if m.get("unmanaged"):
+        rows.append(("model", "loaded on the server but not given to serve or the controller: not tuned"))
     if m.get("knobs"):          # what the model is and which knobs the controller turns (controller/modelkind.py)
         rows.append(("model", m["knobs"]))
     if m.get("target_from"):    # an ensemble's target passed to this step (controller/ensemble.py)

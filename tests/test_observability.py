@@ -44,6 +44,26 @@ def test_status_without_a_controller_prints_live_configs_and_recent_decisions(se
     assert "-> 7 inst" in shown[-1]
 
 
+def test_status_shows_what_else_the_server_runs_as_not_tuned(server, tmp_path):
+    """A model on the server that the config does not name (loaded by hand beside the managed ones) is listed after
+    them with its live settings, said to be not tuned; in --json, `unmanaged`."""
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump({
+        "server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
+        "models": ["sim_accel"]}))
+    r = subprocess.run([sys.executable, "-m", "controller", "status", "--config", str(path)], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    at = lines.index("resnet_tiny  READY  1 instance, delay 0 us")
+    assert at > lines.index("sim_accel  READY  1 instance, delay 0 us")
+    assert lines[at + 1] == "  model  loaded on the server but not given to serve or the controller: not tuned"
+    r = subprocess.run([sys.executable, "-m", "controller", "status", "--config", str(path), "--json"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    doc = json.loads(r.stdout)
+    assert doc["models"]["resnet_tiny"]["unmanaged"] is True and "unmanaged" not in doc["models"]["sim_accel"]
+
+
 def test_status_with_no_server_is_a_clear_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"server": {"grpc_url": f"127.0.0.1:{free_port()}", "timeout_s": 2}}))
