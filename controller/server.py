@@ -70,6 +70,7 @@ class ServerOptions:
     log_path: Path | None = None             # None: a file in the work dir
     keep_workdir: bool = False               # keep the work dir (backend folder, default log) after stop
     startup_timeout_s: float = 120.0
+    load_timeout_s: float = 300.0            # one model's load (a large engine's can take minutes)
     extra_args: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -466,11 +467,15 @@ class TritonServer:
                     self.load_model(name, config)
                     continue
                 except ServerError as e:
+                    if self.process is None or self.process.poll() is not None:
+                        raise                   # why: the server died in that load: no second one to try
                     log.warning("%s: its load with an override failed (%s); loading it from its file", name, e)
             try:
                 self.load_model(name)
             except ServerError as e:
                 if not strict:
+                    if self.process is None or self.process.poll() is not None:
+                        raise                   # why: a dead server's trouble is every model's, not this one's
                     failed.append(str(e))
                     continue
                 others = [n for n in names if n != name]
@@ -543,9 +548,44 @@ class TritonServer:
             raise ServerError(f"model '{name}' failed to load: {missing} not found (a Python model's file; Triton's "
                               "Python backend would wait for it without an answer)")
         body = None if config is None else {"parameters": {"config": json.dumps(config)}}
-        status, body = self._http("POST", f"/v2/repository/models/{name}/load", body)
+        done = threading.Event()
+        threading.Thread(target=self._end_a_dead_load, args=(done,), daemon=True, name="load-watch").start()
+        try:
+            status, body = self._http("POST", f"/v2/repository/models/{name}/load", body,
+                                      timeout=self.options.load_timeout_s)
+        except (OSError, ValueError) as e:
+            # why: a timeout or a dropped connection is the server's trouble, said as such, never a traceback
+            p = self.process
+            if p is not None:
+                try:
+                    p.wait(timeout=1.0)         # why: a server that died drops the connection just before it exits
+                except subprocess.TimeoutExpired:
+                    pass
+            if p is not None and p.poll() is not None:
+                raise ServerError(f"model '{name}' failed to load: tritonserver {exit_words(p.returncode)} while "
+                                  f"loading it: {self.log_tail()}") from None
+            if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+                raise ServerError(f"model '{name}' failed to load: the server did not answer its load within "
+                                  f"{self.options.load_timeout_s:.0f} s (see its log: {self.log_path})") from None
+            raise ServerError(f"model '{name}' failed to load: {' '.join(str(e).split())[:300]}") from None
+        finally:
+            done.set()
         if status != 200:
             raise ServerError(f"model '{name}' failed to load: {load_error_text(str(body.get('error', body)))}")
+
+    def _end_a_dead_load(self, done: threading.Event) -> None:
+        """While a load is under way: where the server dies, kill its process group, whose stub processes (forked
+        by the server, its sockets inherited) would otherwise hold the load's connection open until its timeout
+        (measured: a model whose initialize killed tritonserver left the load unanswered past 60 s, the client's
+        timeout being 300 s)."""
+        p = self.process
+        while p is not None and not done.wait(0.5):
+            if p.poll() is not None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                return
 
     def log_tail(self, lines: int = 5) -> str:
         """The log's last error lines (else its last lines), joined on one line. Where the server aborted, its

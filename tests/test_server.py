@@ -282,6 +282,28 @@ def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_a_load_the_server_does_not_answer_or_dies_in_is_one_line(tmp_path):
+    """A model whose initialize outlasts the load timeout, and one whose initialize kills tritonserver: each a
+    ServerError naming the model and what happened (never a socket error's traceback)."""
+    cfg = ('name: "{n}"\nbackend: "python"\nmax_batch_size: 0\n'
+           'input [{{name: "X", data_type: TYPE_FP32, dims: [1]}}]\n'
+           'output [{{name: "Y", data_type: TYPE_FP32, dims: [1]}}]\n')
+    body = {"slow": "import time\nclass TritonPythonModel:\n    def initialize(self, args):\n        time.sleep(20)\n",
+            "killer": "import os, signal\nclass TritonPythonModel:\n    def initialize(self, args):\n"
+                      "        os.kill(os.getppid(), signal.SIGKILL)\n"}
+    repo = tmp_path / "repo"
+    for name, code in body.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(cfg.format(n=name))
+        (repo / name / "1" / "model.py").write_text(code)
+    with pytest.raises(ServerError, match=r"^model 'slow' failed to load: the server did not answer its load "
+                                          r"within 2 s \(see its log: .*\)$"):
+        start_server(["slow"], repository=repo, load_timeout_s=2.0)
+    with pytest.raises(ServerError, match=r"^model 'killer' failed to load: tritonserver exited with code -9 "
+                                          r"\(SIGKILL\) while loading it: "):
+        start_server(["killer"], repository=repo)
+
+
 def test_a_model_whose_initialize_raises_is_one_line_naming_where_and_how_to_serve_the_others(tmp_path):
     """A user's repository with one broken model: the server's answer carries the stub's Python traceback over
     several lines ("At:" and its frames); serve's error is one line with the raising frame, and says how to serve

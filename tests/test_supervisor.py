@@ -371,3 +371,34 @@ def test_status_names_a_restart_and_the_models_it_left_out():
     assert line.startswith("tritonserver died and was restarted 1 time(s); last at "), line
     assert line.endswith("exited with code -11 (SIGSEGV), started again without 1 model(s) that failed to load "
                          "(model 'b' failed to load: /r/b/1/model.py not found); its log then: /tmp/t.log"), line
+
+
+def test_a_restart_whose_load_kills_the_server_fails_as_a_whole(tmp_path):
+    """A model that loaded at the start kills tritonserver when it loads again (a flag file its initialize reads):
+    the restart is a failure (the supervisor counts it and tries again), not a server 'started again' with the
+    models after it left out, and nothing of it is left running."""
+    flag = tmp_path / "kill"
+    (tmp_path / "flaky" / "1").mkdir(parents=True)
+    (tmp_path / "flaky" / "config.pbtxt").write_text(
+        'name: "flaky"\nbackend: "python"\nmax_batch_size: 0\ninput [{name: "X", data_type: TYPE_FP32, dims: [1]}]\n'
+        'output [{name: "Y", data_type: TYPE_FP32, dims: [1]}]\n')
+    (tmp_path / "flaky" / "1" / "model.py").write_text(
+        "import os, signal\nclass TritonPythonModel:\n    def initialize(self, args):\n"
+        f"        if os.path.exists({str(flag)!r}):\n            os.kill(os.getppid(), signal.SIGKILL)\n")
+    shutil.copytree(ROOT / "model_repository" / "sim_accel", tmp_path / "sim_accel",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    server = start_server(["flaky", "sim_accel"], repository=tmp_path)
+    try:
+        first = server.process.pid
+        os.kill(first, signal.SIGSEGV)
+        server.process.wait(10)
+        flag.touch()
+        with pytest.raises(ServerError, match=r"^model 'flaky' failed to load: tritonserver exited with code -9 "
+                                              r"\(SIGKILL\) while loading it"):
+            server.restart({}, ["flaky", "sim_accel"])
+        assert server.process is None
+        flag.unlink()
+        assert server.restart({}, ["flaky", "sim_accel"]) == []          # the next try, as the supervisor's
+        assert set(server.live_models()) == {"flaky", "sim_accel"}
+    finally:
+        server.stop()
