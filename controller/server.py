@@ -53,6 +53,11 @@ class ServerError(RuntimeError):
     """A problem starting or talking to the server, with a one-line message for the user."""
 
 
+class ModelFileMissing(ServerError):
+    """A Python model's file is not there (missing_python_file): its load is not asked for, with or without an
+    override."""
+
+
 @dataclasses.dataclass
 class ServerOptions:
     repository: Path = DEFAULT_REPOSITORY
@@ -461,17 +466,8 @@ class TritonServer:
         for name in names:
             if cancel is not None and cancel.is_set():
                 raise ServerError("stopped while its models were loading")
-            config = configs.get(name)
-            if config is not None:
-                try:
-                    self.load_model(name, config)
-                    continue
-                except ServerError as e:
-                    if self.process is None or self.process.poll() is not None:
-                        raise                   # why: the server died in that load: no second one to try
-                    log.warning("%s: its load with an override failed (%s); loading it from its file", name, e)
             try:
-                self.load_model(name)
+                self._load_one(name, configs.get(name))
             except ServerError as e:
                 if not strict:
                     if self.process is None or self.process.poll() is not None:
@@ -487,6 +483,21 @@ class TritonServer:
                                       f"{','.join(others)}") from None
                 raise
         return failed
+
+    def _load_one(self, name: str, config: dict | None) -> None:
+        """Load one model with its override, from its file where the server refuses that (not where its file is
+        missing, nor where the server died in the load: a second try could only fail the same way)."""
+        if config is not None:
+            try:
+                self.load_model(name, config)
+                return
+            except ModelFileMissing:
+                raise
+            except ServerError as e:
+                if self.process is None or self.process.poll() is not None:
+                    raise
+                log.warning("%s: its load with an override failed (%s); loading it from its file", name, e)
+        self.load_model(name)
 
     def _http(self, method: str, path: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
@@ -545,8 +556,8 @@ class TritonServer:
     def load_model(self, name: str, config: dict | None = None) -> None:
         missing = missing_python_file(Path(self.options.repository) / name, config)
         if missing is not None:
-            raise ServerError(f"model '{name}' failed to load: {missing} not found (a Python model's file; Triton's "
-                              "Python backend would wait for it without an answer)")
+            raise ModelFileMissing(f"model '{name}' failed to load: {missing} not found (a Python model's file; "
+                                   "Triton's Python backend would wait for it without an answer)")
         body = None if config is None else {"parameters": {"config": json.dumps(config)}}
         done = threading.Event()
         threading.Thread(target=self._end_a_dead_load, args=(done,), daemon=True, name="load-watch").start()

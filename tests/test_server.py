@@ -249,7 +249,7 @@ def test_model_that_fails_to_load_is_a_clear_error(tmp_path):
         start_server(["broken"], repository=repo)
 
 
-def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path):
+def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path, caplog):
     """Triton 2.51's Python backend never answers the load of a model whose model.py is missing (300 s here, then
     the client's timeout): serve finds it first, in the newest version folder (the default policy) or any (a policy
     of the config's), under the file name the config gives; a model of another backend is not its business."""
@@ -280,6 +280,12 @@ def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path):
     with pytest.raises(ServerError, match=r"model 'nofile' failed to load: .*nofile/1/model.py not found"):
         start_server(["nofile"], repository=repo)
     assert time.monotonic() - t0 < 60
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), models=["nofile"],
+                            repository=repo)
+    with caplog.at_level(logging.WARNING, logger="controller.server"):
+        with pytest.raises(ServerError, match=r"model 'nofile' failed to load: .*nofile/1/model.py not found"):
+            TritonServer(options).start({"nofile": {"name": "nofile", "backend": "python"}})    # serve's marked load
+    assert "loading it from its file" not in caplog.text            # no second try: it could only fail the same
 
 
 def test_a_load_the_server_does_not_answer_or_dies_in_is_one_line(tmp_path):
