@@ -358,7 +358,7 @@ def cmd_serve(args) -> int:
         if controller is not None:
             controller.close()
         # why: after a restart under way has ended (the supervisor holds its lock through it and its run-state write)
-        with supervisor.lock if supervisor is not None else contextlib.nullcontext():
+        with supervisor.ended() if supervisor is not None else contextlib.nullcontext():
             if folder is not None:
                 runstate.remove(os.getpid(), folder)
             server.stop()

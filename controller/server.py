@@ -16,6 +16,7 @@ the server is live, so a model that fails to load gives a clear per-model error.
 from __future__ import annotations
 
 import compileall
+import contextlib
 import dataclasses
 import json
 import logging
@@ -592,10 +593,7 @@ class TritonServer:
         p = self.process
         while p is not None and not done.wait(0.5):
             if p.poll() is not None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                self.kill_group()
                 return
 
     def log_tail(self, lines: int = 5) -> str:
@@ -662,6 +660,16 @@ class TritonServer:
         self._halt()
         if self._workdir is not None and not self.options.keep_workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def kill_group(self) -> None:
+        """SIGKILL the server's process group (its stubs with it), from any thread; the owner of the process still
+        reaps it (`_halt`)."""
+        p = self.process
+        if p is not None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _halt(self) -> None:
         """Kill what is left of the process and its group, and remove its shared-memory regions."""
@@ -790,6 +798,21 @@ class ServerSupervisor:
                 self._on_restart(list(self.restarts))
             except Exception as e:  # noqa: BLE001 - a notice only (the run-state file): the watch goes on
                 log.warning("after the restart: %s", e)
+
+    @contextlib.contextmanager
+    def ended(self, wait_s: float = 10.0):
+        """For the owner about to stop the server: set `stop` and hold `lock` (no restart after this). A restart under
+        way ends at its next step; where it has not within `wait_s` (a model's load that does not answer), the
+        server's process group is killed, which ends that load at once, and then the lock is taken."""
+        self.stop.set()
+        if not self.lock.acquire(timeout=wait_s):
+            self._say(f"a restart of tritonserver still under way after {wait_s:.0f} s; stopping it")
+            self.server.kill_group()
+            self.lock.acquire()
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def start(self) -> "ServerSupervisor":
         self._thread = threading.Thread(target=self._watch, name="server-supervisor", daemon=True)

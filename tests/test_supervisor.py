@@ -18,7 +18,7 @@ import pytest
 from controller.evaluation.arm import ArmSpec, run_arm
 from controller.server import RestartBudget, ServerError, ServerSupervisor, exit_words
 from controller.types import Settings
-from conftest import ROOT, sim_copy, start_server
+from conftest import ROOT, process_alive, sim_copy, start_server
 
 
 @pytest.mark.parametrize("code, words", [
@@ -85,6 +85,8 @@ class _Server:
         self.not_loaded = not_loaded or []
         self.in_restart = threading.Event()
         self.hold: threading.Event | None = None      # set: a restart waits until cancelled (a slow start)
+        self.stuck: threading.Event | None = None     # set: a restart waits until kill_group (a load that hangs)
+        self.killed = False
 
     def die(self, code: int = -11) -> None:
         self.process.returncode = code
@@ -101,10 +103,19 @@ class _Server:
             raise ServerError("cannot read the repository index: connection refused")
         return dict(self.running)
 
+    def kill_group(self):
+        self.killed = True
+        if self.stuck is not None:
+            self.stuck.set()
+
     def restart(self, configs=None, names=None, cancel=None):
         self.restarted_with.append(configs)
         self.loaded_names.append(names)
         self.in_restart.set()
+        if self.stuck is not None:
+            assert self.stuck.wait(10), "never killed"
+            self.process = None
+            raise ServerError("model 'm' failed to load: tritonserver exited with code -9 (SIGKILL) while loading it")
         if self.hold is not None:
             while not cancel.wait(0.01):
                 pass
@@ -284,6 +295,32 @@ def test_a_stop_during_a_restart_ends_it_at_once_and_is_no_failure():
     assert sup.restarts[0]["error"] == "stopped while tritonserver was starting"
 
 
+def test_a_restart_stuck_in_a_load_is_ended_by_killing_its_server():
+    """A restart whose model load does not answer (so it never reaches its next step): the owner's `ended` waits
+    `wait_s`, kills the server's process group (which ends the load), and then holds the lock."""
+    server, stop, said = _Server(running={"m": {"count": 1}}), threading.Event(), []
+    server.stuck = threading.Event()
+    sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=said.append, poll_s=0.01).start()
+    server.die()
+    assert server.in_restart.wait(5)
+    t0 = time.monotonic()
+    with sup.ended(wait_s=0.3):
+        assert server.killed and stop.is_set()
+        assert 0.3 <= time.monotonic() - t0 < 3
+    assert said[-1] == "a restart of tritonserver still under way after 0 s; stopping it", said
+    sup._thread.join(5)
+    assert not sup._thread.is_alive() and sup._failed is None
+    assert sup.restarts[0]["error"].endswith("(SIGKILL) while loading it")
+
+
+def test_ended_takes_the_lock_at_once_without_a_restart():
+    server, stop = _Server(), threading.Event()
+    sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=lambda _: None, poll_s=0.01).start()
+    with sup.ended(wait_s=5):
+        assert stop.is_set() and sup.lock.locked() and not server.killed
+    assert not sup.lock.locked()
+
+
 def test_a_bench_arm_whose_server_dies_goes_on_with_its_config(tmp_path):
     """A static arm (2 instances, 300 us) under 40 req/s for 10 s, its tritonserver SIGSEGV'd 3 s in by the arm's
     helper: the arm starts it again with the arm's config, the requests after the gap are served, and the restart is
@@ -373,18 +410,24 @@ def test_status_names_a_restart_and_the_models_it_left_out():
                          "(model 'b' failed to load: /r/b/1/model.py not found); its log then: /tmp/t.log"), line
 
 
+def _flagged_model(repo: Path, name: str, flag: Path, then: str) -> None:
+    """A Python model in `repo` whose initialize does `then` (one statement, `os`, `signal` and `time` imported)
+    while the file `flag` exists: it loads at the start, and misbehaves at a reload once the test makes the flag."""
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [{name: "X", data_type: TYPE_FP32, dims: [1]}]\noutput [{name: "Y", data_type: TYPE_FP32, dims: [1]}]\n')
+    (repo / name / "1" / "model.py").write_text(
+        "import os, signal, time\nclass TritonPythonModel:\n    def initialize(self, args):\n"
+        f"        if os.path.exists({str(flag)!r}):\n            {then}\n")
+
+
 def test_a_restart_whose_load_kills_the_server_fails_as_a_whole(tmp_path):
     """A model that loaded at the start kills tritonserver when it loads again (a flag file its initialize reads):
     the restart is a failure (the supervisor counts it and tries again), not a server 'started again' with the
     models after it left out, and nothing of it is left running."""
     flag = tmp_path / "kill"
-    (tmp_path / "flaky" / "1").mkdir(parents=True)
-    (tmp_path / "flaky" / "config.pbtxt").write_text(
-        'name: "flaky"\nbackend: "python"\nmax_batch_size: 0\ninput [{name: "X", data_type: TYPE_FP32, dims: [1]}]\n'
-        'output [{name: "Y", data_type: TYPE_FP32, dims: [1]}]\n')
-    (tmp_path / "flaky" / "1" / "model.py").write_text(
-        "import os, signal\nclass TritonPythonModel:\n    def initialize(self, args):\n"
-        f"        if os.path.exists({str(flag)!r}):\n            os.kill(os.getppid(), signal.SIGKILL)\n")
+    _flagged_model(tmp_path, "flaky", flag, "os.kill(os.getppid(), signal.SIGKILL)")
     shutil.copytree(ROOT / "model_repository" / "sim_accel", tmp_path / "sim_accel",
                     ignore=shutil.ignore_patterns("__pycache__"))
     server = start_server(["flaky", "sim_accel"], repository=tmp_path)
@@ -401,4 +444,33 @@ def test_a_restart_whose_load_kills_the_server_fails_as_a_whole(tmp_path):
         assert server.restart({}, ["flaky", "sim_accel"]) == []          # the next try, as the supervisor's
         assert set(server.live_models()) == {"flaky", "sim_accel"}
     finally:
+        server.stop()
+
+
+def test_a_real_restart_stuck_in_a_load_ends_when_the_owner_stops(tmp_path):
+    """serve's Ctrl-C while a restart waits on a model whose load does not answer (its initialize sleeps): `ended`
+    kills the server after its wait, the restart fails at once, and nothing of the server is left."""
+    flag = tmp_path / "slow"
+    _flagged_model(tmp_path, "sleepy", flag, "time.sleep(120)")
+    server = start_server(["sleepy"], repository=tmp_path)
+    stop, said = threading.Event(), []
+    try:
+        sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=said.append, poll_s=0.05).start()
+        _wait_for(lambda: sup.running is not None)
+        flag.touch()
+        first = server.process.pid
+        os.kill(first, signal.SIGSEGV)
+        _wait_for(lambda: server.process is not None and server.process.pid != first
+                  and "loading: sleepy" in server.log_path.read_text().split("Signal (11)")[-1], timeout_s=60)
+        time.sleep(0.5)                                       # in the load now
+        pid = server.process.pid
+        t0 = time.monotonic()
+        with sup.ended(wait_s=1.0):
+            took = time.monotonic() - t0
+        assert took < 8, took
+        assert "still under way after 1 s; stopping it" in said[-1], said
+        assert sup.restarts[-1]["ok"] is False and "while loading it" in sup.restarts[-1]["error"], sup.restarts
+        assert server.process is None and not process_alive(pid)
+    finally:
+        stop.set()
         server.stop()

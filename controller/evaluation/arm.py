@@ -307,7 +307,7 @@ def run_arm(spec: ArmSpec) -> ArmRun:
             watching.set()
             control.close()
             if supervisor is not None:
-                with supervisor.lock:       # why: a restart under way ends before the server stops (with's exit)
+                with supervisor.ended():    # why: a restart under way ends before the server stops (with's exit)
                     pass
 
 
