@@ -189,9 +189,10 @@ def missing_python_file(folder: Path, config: dict | None = None) -> str | None:
     Why: Triton 2.51's Python backend does not answer the load of such a model (its stub says "Python model file
     not found" and the load waits; measured here: no answer in 300 s), so serve checks before it asks."""
     folder = Path(folder)
+    path = folder / "config.pbtxt"
     try:
-        text = (folder / "config.pbtxt").read_text(errors="replace") if (folder / "config.pbtxt").is_file() else ""
         versions = sorted((v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()), key=lambda v: int(v.name))
+        text = path.read_text(errors="replace") if config is None and path.is_file() else ""
     except OSError:
         return None                     # why: not ours to judge; the server's load says what is wrong
     if config is not None:
@@ -386,7 +387,7 @@ class TritonServer:
         taken = self._taken_port()
         if taken is not None:
             label, port = taken
-            raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower().replace('grpc', 'grpc')}-port")
+            raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower()}-port")
         binary, self.embedded = find_tritonserver(o.tritonserver)
         precompile_models(Path(o.repository), names)
         self._workdir = Path(tempfile.mkdtemp(prefix="triton-ctl-"))
@@ -471,7 +472,7 @@ class TritonServer:
                 self._load_one(name, configs.get(name))
             except ServerError as e:
                 if not strict:
-                    if self.process is None or self.process.poll() is not None:
+                    if self._exited():
                         raise                   # why: a dead server's trouble is every model's, not this one's
                     failed.append(str(e))
                     continue
@@ -485,6 +486,10 @@ class TritonServer:
                 raise
         return failed
 
+    def _exited(self) -> bool:
+        """No server process, or one that has exited."""
+        return self.process is None or self.process.poll() is not None
+
     def _load_one(self, name: str, config: dict | None) -> None:
         """Load one model with its override, from its file where the server refuses that (not where its file is
         missing, nor where the server died in the load: a second try could only fail the same way)."""
@@ -495,7 +500,7 @@ class TritonServer:
             except ModelFileMissing:
                 raise
             except ServerError as e:
-                if self.process is None or self.process.poll() is not None:
+                if self._exited():
                     raise
                 log.warning("%s: its load with an override failed (%s); loading it from its file", name, e)
         self.load_model(name)
@@ -676,11 +681,7 @@ class TritonServer:
         p = self.process
         if p is None:
             return
-        # Stubs are in the server's process group (new session at start): nothing may outlive us.
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self.kill_group()       # why: stubs are in the server's process group (new session at start)
         try:
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:
