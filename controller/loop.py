@@ -364,7 +364,8 @@ class Controller:
 
     def _not_loaded(self, name: str) -> str | None:
         """Why a model's config could not be read while the server answers: its state on the repository index
-        ("UNAVAILABLE: unloaded"; "never loaded" for a model of the repository that has no state;
+        ("UNAVAILABLE: unloaded"; "not loaded yet" for a model of the repository that has no state: never loaded on
+        this server process, which after a restart of tritonserver is every model until its load;
         "not in the server's repository"). None when the index does not answer either (the server is away) or lists
         the model READY (some other error)."""
         try:
@@ -374,7 +375,7 @@ class Controller:
         entry = next((m for m in index if m.get("name") == name), None)
         if entry is None:
             return "not in the server's repository"
-        state = entry.get("state") or "never loaded"
+        state = entry.get("state") or "not loaded yet"
         if state == "READY":
             return None
         return f"{state}: {entry['reason']}" if entry.get("reason") else state

@@ -45,6 +45,9 @@ HARMLESS_LOG_LINES = ("NVML", "DCGM", "CudaDriverHelper", "CUDA driver", "GPU me
 # the first line of what an aborting tritonserver prints: libstdc++'s uncaught exception, or its own signal handler
 CRASH_MARKERS = ("terminate called", "Signal (")
 CRASH_LINES = 24
+# why: the repository index's states of a model the server runs: a full reload keeps it READY, an unload makes it
+# UNLOADING, then UNAVAILABLE (checked on 2.51)
+LIVE_STATES = ("READY", "LOADING")
 SLOW_STOP_S = 3.0      # a stop that takes longer than this is named in the log (see TritonServer.stop)
 
 log = logging.getLogger("controller.server")
@@ -536,11 +539,13 @@ class TritonServer:
             time.sleep(0.2)
         raise ServerError(f"tritonserver was not live after {timeout_s:.0f} s: {self.log_tail()}")
 
-    def live_models(self, timeout_s: float = 5.0) -> dict[str, dict | None]:
+    def live_models(self, timeout_s: float = 5.0, known: Mapping[str, dict | None] | None = None
+                    ) -> dict[str, dict | None]:
         """What the server runs now: each model its repository index lists READY or LOADING (a full reload keeps a
         model READY; an unload makes it UNLOADING, then UNAVAILABLE), with its live config (`GET
-        /v2/models/<m>/config`), None where that read failed (a model still loading). Raises ServerError where the
-        index cannot be read."""
+        /v2/models/<m>/config`), None where that read failed (a model still loading). A model `known` holds a
+        config for keeps that one unread (the index alone, for a frequent check of which models run). Raises
+        ServerError where the index cannot be read."""
         try:
             status, index = self._http("POST", "/v2/repository/index", {}, timeout=timeout_s)
         except (OSError, ValueError) as e:
@@ -550,7 +555,10 @@ class TritonServer:
         running: dict[str, dict | None] = {}
         for entry in index:
             name = entry.get("name")
-            if not name or entry.get("state") not in ("READY", "LOADING") or name in running:
+            if not name or entry.get("state") not in LIVE_STATES or name in running:
+                continue
+            if known is not None and known.get(name) is not None:
+                running[name] = known[name]
                 continue
             try:
                 status, config = self._http("GET", f"/v2/models/{name}/config", timeout=timeout_s)
@@ -754,12 +762,17 @@ class ServerSupervisor:
     the server died are lost (their clients see an error), and those sent while it is down are refused; nothing
     else is.
 
-    What it ran: every `snapshot_s` (and at the start) the watch reads the models the server runs and their live
-    configs (TritonServer.live_models): those serve loaded, those an operator loaded by hand since, with whatever
-    config they were loaded with; not one an operator unloaded. A restart loads those, each with its last live
-    config (an ensemble from its file, after its steps), where `configs()` (the controller's: read every tick, its
-    owner mark in) gives a fresher one for a model it manages. A model loaded less than `snapshot_s` before the
-    death can be missed; without any snapshot (a death in the first moment) the restart loads what `start` loaded.
+    What it ran: every `snapshot_s` (and at the start) the watch reads which models the server runs (its repository
+    index), and every `configs_every_s` their live configs (TritonServer.live_models; a model new in the index at
+    once): those serve loaded, those an operator loaded by hand since, with whatever config they were loaded with;
+    not one an operator unloaded. A restart loads those, each with its last live config (an ensemble, or a model
+    whose config was not read yet, from its file), where `configs()` (the controller's: read every tick, its owner
+    mark in) gives a fresher one for a model it manages. A model loaded less than `snapshot_s` before the death can
+    be missed, an operator's change of a running model's config made less than `configs_every_s` before it (a
+    model the controller manages: its tick) is; without any snapshot (a death in the first moment) the restart
+    loads what `start` loaded.
+    Why two periods: the index is one small read; the configs are one read per model (at 1 s, 40 models would be
+    40 reads a second against the server that serves), and a config changed by hand is rarer than a load.
 
     Why restart: Triton 2.51 has crashed under load after an in-place instance-count change (SIGSEGV in its request
     free; upstream issue 7723), twice in this project's runs, and a server that stays down loses every request after.
@@ -773,7 +786,7 @@ class ServerSupervisor:
     def __init__(self, server: TritonServer, stop: threading.Event,
                  configs: Callable[[], Mapping[str, dict]] | None = None, budget: RestartBudget | None = None,
                  say: Callable[[str], None] | None = None, on_restart: Callable[[list[dict]], None] | None = None,
-                 poll_s: float = 0.5, snapshot_s: float = 5.0,
+                 poll_s: float = 0.5, snapshot_s: float = 1.0, configs_every_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic):
         self.server = server
         self.stop = stop
@@ -788,6 +801,7 @@ class ServerSupervisor:
         self._say = say or log.warning
         self._poll_s = poll_s
         self._snapshot_s = snapshot_s
+        self._configs_every_s = configs_every_s
         self._clock = clock
         self._failed: str | None = None     # a restart's error, read as the next death
         self._thread: threading.Thread | None = None
@@ -820,11 +834,11 @@ class ServerSupervisor:
         self._thread.start()
         return self
 
-    def snapshot(self) -> None:
+    def snapshot(self, configs: bool = True) -> None:
         """Read what the server runs now into `running`; a config that could not be read keeps the last one read, a
-        failed index read keeps the whole last snapshot."""
+        failed index read keeps the whole last snapshot. `configs=False`: read the configs of new models only."""
         try:
-            now = self.server.live_models()
+            now = self.server.live_models() if configs else self.server.live_models(known=self.running or {})
         except Exception as e:  # noqa: BLE001 - ServerError, OSError: the server is down or busy; the last stands
             log.debug("cannot read what the server runs: %s", e)
             return
@@ -842,12 +856,15 @@ class ServerSupervisor:
         return names, configs
 
     def _watch(self) -> None:
-        next_snapshot = self._clock()
+        next_snapshot = next_configs = self._clock()
         while True:
             if self._clock() >= next_snapshot and self.server.process is not None \
                     and self.server.process.poll() is None and self._failed is None:
-                self.snapshot()
+                configs = self._clock() >= next_configs
+                self.snapshot(configs)
                 next_snapshot = self._clock() + self._snapshot_s
+                if configs:
+                    next_configs = self._clock() + self._configs_every_s
             if self.stop.wait(self._poll_s):
                 return
             if self._failed is not None:

@@ -28,7 +28,7 @@ from .actuation import TritonControl, explain_error, settings_of
 from .config import ControllerConfig, ServerConfig
 from .decision_log import by_model, read_records
 from .service import JITTER_FLOOR
-from .server import ServerError
+from .server import LIVE_STATES, ServerError
 
 CONTROLLER_TIMEOUT_S = 3.0
 
@@ -82,7 +82,7 @@ def target_from_state(state: runstate.ServeState) -> Target:
     key = read_key(state, server.auth_key_env)
     headers = {server.auth_header: key} if server.auth_header and key else {}
     port = state.get("controller_port")
-    why = "" if port else "serve runs without a controller (--no-controller)"
+    why = "" if port else "serve runs with --no-controller"
     return Target(server, headers, port, state.get("decision_log"), tuple(state.get("models") or ()), serve=state,
                   no_controller_why=why)
 
@@ -142,9 +142,12 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
             models[name] = m
         for name, entry in states.items():
             # why: what else the server runs (a model loaded by hand beside serve's) is what a user asks about next
-            if name in models or entry.get("state") not in ("READY", "LOADING"):
+            if name in models or entry.get("state") not in LIVE_STATES:
                 continue
             models[name] = {"state": entry["state"], "unmanaged": True}
+            if target.serve is not None and not target.controller_port:
+                # why: under --no-controller nothing is tuned; the line says only that serve was not given it
+                models[name]["unmanaged_why"] = "loaded on the server, not one of serve's models (--models)"
             if entry["state"] == "READY":
                 live_settings(name, models[name])
     finally:
@@ -160,6 +163,9 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
     doc["decision_log"] = (snapshot or {}).get("decision_log") or target.decision_log
     doc["controller"] = None if snapshot is None else {k: v for k, v in snapshot.items() if k != "models"}
     doc["controller_error"] = ctl_error
+    # why: serve's run-state says for sure that no controller runs; a config without a port says only that none is
+    # reachable (`run` may tune without one)
+    doc["controller_absent"] = target.serve is not None and not target.controller_port
     doc["models"] = models
     return doc
 
@@ -256,7 +262,11 @@ def format_header(doc: dict) -> list[str]:
             lines.append(f"controller: last tick {_dur(ctl['tick_age_s'])} ago (a slow scrape or reload?)")
     else:
         why = doc.get("controller_error")
-        lines.append("controller not reachable; showing the server's live configs only" + (f" ({why})" if why else ""))
+        if doc.get("controller_absent"):
+            lines.append(f"no controller: {why}; showing the server's live configs only")
+        else:
+            lines.append("controller not reachable; showing the server's live configs only"
+                         + (f" ({why})" if why else ""))
     if doc.get("decision_log"):
         lines.append(f"decision log: {doc['decision_log']}")
     return lines
@@ -318,7 +328,8 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
     if m.get("error"):
         rows.append(("error", m["error"]))
     if m.get("unmanaged"):
-        rows.append(("model", "loaded on the server but not given to serve or the controller: not tuned"))
+        rows.append(("model", m.get("unmanaged_why")
+                     or "loaded on the server but not given to serve or the controller: not tuned"))
     if m.get("knobs"):          # what the model is and which knobs the controller turns (controller/modelkind.py)
         rows.append(("model", m["knobs"]))
     if m.get("target_from"):    # an ensemble's target passed to this step (controller/ensemble.py)

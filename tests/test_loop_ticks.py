@@ -67,6 +67,7 @@ class FakeControl:
         self.configs = {n: model_config(n) for n in names}
         self.down = False
         self.unloaded: set[str] = set()      # in the repository, UNAVAILABLE (an operator unloaded it)
+        self.not_yet: set[str] = set()       # listed without a state (a server started again, before the load)
         self.index_calls = 0
         self.gates: dict[str, threading.Event] = {}
         self.loads: list[tuple[str, Settings]] = []
@@ -96,7 +97,8 @@ class FakeControl:
         self.index_calls += 1
         if self.down:
             raise ConnectionError("connection refused")
-        return [{"name": n, "state": "UNAVAILABLE", "reason": "unloaded"} if n in self.unloaded
+        return [{"name": n} if n in self.not_yet else
+                {"name": n, "state": "UNAVAILABLE", "reason": "unloaded"} if n in self.unloaded
                 else {"name": n, "state": "READY"} for n in self.configs]
 
     def close(self):
@@ -606,6 +608,19 @@ def test_a_named_model_the_operator_unloads_is_held_as_not_loaded_not_as_an_unre
     assert control.index_calls == calls                      # and its index is not asked (it would only time out)
     assert mm.last_decision.reason == "HoldServerUnreachable"
     assert any(r.getMessage().startswith("m: cannot read live config") for r in caplog.records)
+
+
+def test_a_model_the_server_lists_without_a_state_is_held_as_not_loaded_yet():
+    """A tritonserver just started again (serve's restart) lists the repository's models without a state until
+    each one's load: "not loaded yet", not "never loaded" (it was, on the server that died)."""
+    clock = Clock()
+    ctl, control, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock)
+    run_ticks(ctl, clock, 3)
+    control.unloaded.add("m")
+    control.not_yet.add("m")
+    run_ticks(ctl, clock, 1)
+    assert ctl.models["m"].last_decision.reason == "HoldNotLoaded"
+    assert ctl.models["m"].last_decision.detail == "not loaded yet"
 
 
 def test_several_unloaded_models_share_one_index_read_a_tick():

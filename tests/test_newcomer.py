@@ -231,13 +231,12 @@ def test_the_text_says_when_there_is_no_fresh_data_and_when_a_reload_is_in_fligh
 def test_without_a_controller_the_text_says_so_and_shows_the_live_configs():
     doc = {"time": 100.0, "source": {"kind": "serve", "pid": 42, "started": 40.0},
            "server": {"http_url": "h:1", "grpc_url": "h:2", "metrics_url": "http://h:3/metrics"},
-           "controller": None, "controller_error": "serve runs without a controller (--no-controller)",
+           "controller": None, "controller_error": "serve runs with --no-controller", "controller_absent": True,
            "models": {"resnet_tiny": {"state": "READY", "instances": 1, "delay_us": 0},
                       "sim_accel": {"state": "UNAVAILABLE", "state_reason": "unloaded"}}}
     lines = format_text(doc).splitlines()
     assert lines[0] == "serve pid 42, up 1m 00s: HTTP h:1  gRPC h:2  metrics http://h:3/metrics"
-    assert lines[1] == ("controller not reachable; showing the server's live configs only "
-                        "(serve runs without a controller (--no-controller))")
+    assert lines[1] == "no controller: serve runs with --no-controller; showing the server's live configs only"
     assert "resnet_tiny  READY  1 instance, delay 0 us" in lines
     assert "sim_accel  UNAVAILABLE: unloaded" in lines
 

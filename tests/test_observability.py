@@ -1,6 +1,7 @@
 """What an operator reads: `status`, the decision log and the controller's own metrics endpoint."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,9 +10,11 @@ import urllib.request
 import yaml
 
 from conftest import ROOT
+from controller import runstate
 from controller.config import ControllerConfig, LoopConfig, ServerConfig
 from controller.loop import Controller
 from controller.server import free_port
+from controller.status import format_text, gather, target_from_state
 from controller.telemetry import ControllerMetrics
 from controller.types import Settings
 
@@ -62,6 +65,25 @@ def test_status_shows_what_else_the_server_runs_as_not_tuned(server, tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     doc = json.loads(r.stdout)
     assert doc["models"]["resnet_tiny"]["unmanaged"] is True and "unmanaged" not in doc["models"]["sim_accel"]
+
+
+def test_status_of_a_serve_without_a_controller_says_so_and_calls_no_model_tuned(server, tmp_path):
+    """Under `serve --no-controller` nothing is tuned: the header says there is no controller (not that one cannot be
+    reached), and a model loaded beside serve's is named as not one of serve's models, not as "not tuned" beside
+    models that would be."""
+    state = runstate.ServeState(tmp_path / "serve.json", {
+        "pid": 42, "started": 1.0, "phase": "serving", "http_url": server.http_url, "grpc_url": server.grpc_url,
+        "metrics_url": server.metrics_url, "models": ["sim_accel"]})
+    doc = gather(target_from_state(state))
+    assert doc["controller_absent"] is True and doc["models"]["resnet_tiny"]["unmanaged"] is True
+    lines = format_text(doc).splitlines()
+    assert lines[1] == "no controller: serve runs with --no-controller; showing the server's live configs only"
+    at = lines.index("resnet_tiny  READY  1 instance, delay 0 us")
+    assert lines[at + 1] == "  model  loaded on the server, not one of serve's models (--models)"
+    assert not any("not tuned" in ln for ln in lines)
+    with_ctl = gather(dataclasses.replace(target_from_state(state), controller_port=free_port(), no_controller_why=""))
+    assert with_ctl["controller_absent"] is False and "unmanaged_why" not in with_ctl["models"]["resnet_tiny"]
+    assert format_text(with_ctl).splitlines()[1].startswith("controller not reachable; ")
 
 
 def test_status_with_no_server_is_a_clear_error(tmp_path):

@@ -82,6 +82,7 @@ class _Server:
         self.fail_restarts = fail_restarts
         self.kept: list[bool] = []
         self.running = running
+        self.reads: list[bool] = []         # each live_models call: True where it read every config
         self.not_loaded = not_loaded or []
         self.in_restart = threading.Event()
         self.hold: threading.Event | None = None      # set: a restart waits until cancelled (a slow start)
@@ -98,10 +99,12 @@ class _Server:
     def log_tail(self) -> str:
         return "Signal (11) received."
 
-    def live_models(self):
+    def live_models(self, known=None):
+        """As TritonServer.live_models: a model `known` holds a config for keeps it (its config not read)."""
         if self.running is None:
             raise ServerError("cannot read the repository index: connection refused")
-        return dict(self.running)
+        self.reads.append(known is None)
+        return {n: known[n] if known and known.get(n) is not None else c for n, c in self.running.items()}
 
     def kill_group(self):
         self.killed = True
@@ -245,6 +248,41 @@ def test_a_snapshot_keeps_the_last_config_read_and_drops_a_model_no_longer_runni
     sup.snapshot()
     assert sup.running == {"m": {"count": 2}}
     assert sup._what_ran() == (["m"], {"m": {"count": 2}})
+
+
+def test_which_models_run_is_read_every_snapshot_s_and_their_configs_every_configs_every_s():
+    """The index often (a model loaded by hand shortly before a crash is not missed), each config less often (one
+    read per model); a model new in the index gets its config read at once."""
+    clock = [0.0]
+    server = _Server(running={"m": {"count": 1}})
+    sup = ServerSupervisor(server, threading.Event(), snapshot_s=1.0, configs_every_s=5.0, clock=lambda: clock[0])
+    sup.snapshot()
+    server.running = {"m": {"count": 3}, "hand": {"count": 2}}     # m changed by hand; hand loaded by hand
+    sup.snapshot(configs=False)
+    assert sup.running == {"m": {"count": 1}, "hand": {"count": 2}}
+    sup.snapshot()
+    assert sup.running == {"m": {"count": 3}, "hand": {"count": 2}}
+    server.reads.clear()
+    stop = threading.Event()
+    sup = ServerSupervisor(server, stop, poll_s=0.01, snapshot_s=1.0, configs_every_s=5.0, clock=lambda: clock[0])
+    sup.start()
+    try:
+        for _ in range(12):             # 12 s of the watch's clock, a snapshot due each second
+            _wait_for(lambda: len(server.reads) > clock[0])
+            clock[0] += 1.0
+        assert server.reads[:12] == [True, False, False, False, False, True, False, False, False, False, True, False]
+    finally:
+        stop.set()
+        sup._thread.join(5)
+
+
+def test_a_real_index_read_keeps_the_configs_it_knows_and_reads_a_new_one(server):
+    running = server.live_models()
+    assert {"sim_accel", "resnet_tiny"} <= set(running) and running["sim_accel"]["name"] == "sim_accel"
+    known = {"sim_accel": {"name": "sim_accel", "mark": 1}, "gone": {"name": "gone"}}
+    again = server.live_models(known=known)
+    assert again["sim_accel"] == {"name": "sim_accel", "mark": 1} and "gone" not in again
+    assert again["resnet_tiny"] == running["resnet_tiny"]
 
 
 def test_without_a_snapshot_it_loads_what_start_loaded():

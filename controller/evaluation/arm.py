@@ -255,7 +255,9 @@ def run_arm(spec: ArmSpec) -> ArmRun:
                     raise ServerError(f"arm {spec.name}: cannot apply the initial config {spec.initial[name]} "
                                       f"to {name}: {result.error}")
             # why: every arm alike, its live configs read every STATS_EVERY_S (from the initial ones just applied)
+            # (the controller runs apart, so the snapshot is its configs' only source: both read every 2 s)
             supervisor = ServerSupervisor(server, watching, budget=RestartBudget(3), snapshot_s=STATS_EVERY_S,
+                                          configs_every_s=STATS_EVERY_S,
                                           say=lambda text: log(f"arm {spec.name}: {text}")).start()
             inputs = {name: make_inputs_from_config(server.http_url, name) for name in spec.models}
             run_doc = None
