@@ -99,6 +99,77 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes of listening TCP sockets (IPv4 and IPv6, any address) on `port`, from /proc/net."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            # why: columns sl, local address (hex ip:port), remote, state (0A = LISTEN), ..., inode (10th)
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f[9])
+    return inodes
+
+
+def _proc_text(pid: int, name: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on `port`, in words for an error ("tritonserver (pid 4242), started by serve pid 4200"), from
+    Linux's /proc; None where that cannot be read (another user's process, no /proc).
+
+    Why: the first thing a user does after a serve that was killed (kill -9, an OOM kill) is start it again, and a
+    tritonserver it left (one stuck in a model's load ignores the SIGTERM its parent's death sends) holds the ports;
+    "in use" alone leaves them to find it. A server's stub processes inherit its sockets, so of the processes that
+    hold one, the one whose parent does not hold it too is named."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    holders: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.listdir(entry / "fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(entry / "fd" / fd)
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                holders.append(int(entry.name))
+                break
+    if not holders:
+        return None
+
+    def parent(pid: int) -> int:
+        stat = _proc_text(pid, "stat")
+        try:
+            return int(stat.rsplit(")", 1)[1].split()[1])
+        except (IndexError, ValueError):
+            return 0
+    pid = next((h for h in holders if parent(h) not in holders), holders[0])
+    words = f"{_proc_text(pid, 'comm') or 'a process'} (pid {pid})"
+    ppid = parent(pid)
+    argv = _proc_text(ppid, "cmdline").split() if ppid > 1 else []
+    if "serve" in argv and any(a == "controller" or a.endswith("triton-autotune") for a in argv):
+        words += f", started by serve pid {ppid} (`python -m controller status --pid {ppid}`)"
+    elif _proc_text(pid, "comm") == "tritonserver":
+        words += ", which no running serve started (one left by a serve that was killed? stop it: kill " \
+                 f"{pid}, or kill -9 {pid} where it ignores that)"
+    return words
+
+
 def _embedded_root() -> Path | None:
     try:
         import pytriton  # noqa: F401  (the nvidia-pytriton wheel)
@@ -390,7 +461,10 @@ class TritonServer:
         taken = self._taken_port()
         if taken is not None:
             label, port = taken
-            raise ServerError(f"{label} port {o.host}:{port} is already in use; choose another with --{label.lower()}-port")
+            holder = port_holder(port)
+            by = f" by {holder}" if holder else ""
+            raise ServerError(f"{label} port {o.host}:{port} is already in use{by}; choose another with "
+                              f"--{label.lower()}-port")
         binary, self.embedded = find_tritonserver(o.tritonserver)
         precompile_models(Path(o.repository), names)
         self._workdir = Path(tempfile.mkdtemp(prefix="triton-ctl-"))
@@ -421,7 +495,9 @@ class TritonServer:
         self._halt()
         taken = self._taken_port()
         if taken is not None:
-            raise ServerError(f"{taken[0]} port {self.options.host}:{taken[1]} was taken while tritonserver was down")
+            holder = port_holder(taken[1])
+            raise ServerError(f"{taken[0]} port {self.options.host}:{taken[1]} was taken while tritonserver was down"
+                              + (f", by {holder}" if holder else ""))
         try:
             self._launch(cancel)
             return self._load_models(order, configs, cancel, strict=False)

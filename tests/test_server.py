@@ -25,7 +25,7 @@ import network  # model_repository/resnet_tiny/1/network.py (conftest puts it on
 from conftest import ROOT, process_alive, sim_copy, start_server
 from controller.actuation import Actuator, TritonControl
 from controller.ownership import mark_of
-from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port,
+from controller.server import (ServerError, ServerOptions, TritonServer, find_tritonserver, free_port, port_holder,
                                missing_python_file, remove_shm_regions, repository_models, spawn_dying_with_parent)
 from controller.types import Settings
 
@@ -209,11 +209,37 @@ def test_missing_binary_is_a_clear_error():
     assert "no executable file there" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_taken_port_is_a_clear_error(server):
+def test_taken_port_is_a_clear_error_that_names_who_holds_it(server):
+    """The holder named: here a tritonserver that no serve started (this test run's), said with how to stop it."""
     taken = server.http_url.rsplit(":", 1)[1]
     r = _cli("serve", "--http-port", taken, "--grpc-port", str(free_port()), "--metrics-port", str(free_port()))
     assert r.returncode == 1
-    assert f"HTTP port 127.0.0.1:{taken} is already in use" in r.stderr and "Traceback" not in r.stderr
+    assert f"HTTP port 127.0.0.1:{taken} is already in use by tritonserver (pid {server.process.pid}), which no " \
+           f"running serve started" in r.stderr and f"kill -9 {server.process.pid}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len([ln for ln in r.stderr.splitlines() if "port" in ln]) == 1, r.stderr
+
+
+def test_port_holder_names_the_listening_process_and_none_for_a_free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert port_holder(port) is None                 # bound, not listening: nobody serves there
+        s.listen()
+        assert port_holder(port) == f"{Path(f'/proc/{os.getpid()}/comm').read_text().strip()} (pid {os.getpid()})"
+    assert port_holder(port) is None
+
+
+def test_a_second_serve_on_a_running_serves_port_names_that_serve():
+    lines: list[str] = []
+    proc, http_port = _serve("sim_accel", lines)
+    try:
+        r = _cli("serve", "--http-port", str(http_port), "--grpc-port", str(free_port()),
+                 "--metrics-port", str(free_port()), "--no-controller")
+        assert r.returncode == 1
+        assert f"HTTP port 127.0.0.1:{http_port} is already in use by tritonserver (pid " in r.stderr, r.stderr
+        assert f"), started by serve pid {proc.pid} (`python -m controller status --pid {proc.pid}`)" in r.stderr
+    finally:
+        _ctrl_c(proc, lines, http_port)
 
 
 def test_a_model_folder_is_one_with_a_config_or_a_version_folder(tmp_path):
