@@ -180,3 +180,52 @@ def _model_module(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_sibling_registry_leaves_no_folder_after_its_last_instance(monkeypatch, tmp_path):
+    """Each instance registers one file; the last one's close removes the model's folder and the per-server one
+    (each server start used to leave two folders in /tmp), never a folder the user gave; a close that races a
+    new registration does not fail it."""
+    module = _model_module(monkeypatch)
+    monkeypatch.delenv("RESNET_TINY_DIR", raising=False)
+    monkeypatch.setattr(module.tempfile, "gettempdir", lambda: str(tmp_path))
+    a = module.SiblingRegistry("resnet_tiny")
+    monkeypatch.setattr(module.os, "getpid", lambda: 999_999_991)     # a second instance: another stub's pid
+    b = module.SiblingRegistry("resnet_tiny")
+    base = tmp_path / f"resnet_tiny_{os.getppid()}"
+    registered = sorted(p.name for p in (base / "resnet_tiny").iterdir())
+    assert registered == sorted([str(999_999_991), os.path.basename(a.path)])
+    a.close()
+    assert (base / "resnet_tiny").is_dir()                            # b still registered
+    b.close()
+    assert not base.exists()
+    given = tmp_path / "given"
+    given.mkdir()
+    monkeypatch.setenv("RESNET_TINY_DIR", str(given))
+    c = module.SiblingRegistry("resnet_tiny")
+    assert c.count() == 1
+    c.close()
+    assert given.is_dir() and not (given / "resnet_tiny").exists()
+
+    real_open = open
+    calls = []
+
+    def racing_open(path, *args, **kw):                             # the folder vanishes before the first open
+        if not calls and str(path).startswith(str(given)):
+            calls.append(path)
+            os.rmdir(given / "resnet_tiny")
+        return real_open(path, *args, **kw)
+    monkeypatch.setattr(module, "open", racing_open, raising=False)
+    d = module.SiblingRegistry("resnet_tiny")
+    assert calls and os.path.exists(d.path)
+    d.close()
+
+
+def test_a_stopped_server_leaves_no_registry_folder():
+    srv = start_server(["resnet_tiny"])
+    folder = os.path.dirname(_registry(srv))
+    try:
+        assert os.path.isdir(folder)
+    finally:
+        srv.stop()
+    assert not os.path.exists(folder)

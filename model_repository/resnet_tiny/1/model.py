@@ -9,9 +9,9 @@ The number of live instances is NOT read from the config: after an in-place inst
 running instances keep the config of their own load (a stale count). Instead every CPU instance
 registers its stub process in a small shared folder (`$RESNET_TINY_DIR`, else
 `<tmp>/resnet_tiny_<tritonserver pid>/<model name>/`, one empty file per stub pid, removed in
-finalize) and, at most once a second at the start of an `execute`, counts the entries whose
-process is still alive (a killed stub's file is ignored and removed). Instances added or removed
-in place are therefore seen by the old ones within a second of their next batch. The
+finalize, with the folders by the last instance) and, at most once a second at the start of an `execute`,
+counts the entries whose process is still alive (a killed stub's file is ignored and removed). Instances
+added or removed in place are therefore seen by the old ones within a second of their next batch. The
 `cpu_threads_per_instance` parameter, if set, overrides the budget.
 
 Each `execute` call runs every well-formed request of the batch in one forward pass; a malformed
@@ -104,16 +104,29 @@ class SiblingRegistry:
     """Live stub processes of this model on this server: one file per pid in a shared folder."""
 
     def __init__(self, model_name: str):
-        base = os.environ.get("RESNET_TINY_DIR") or os.path.join(tempfile.gettempdir(), f"resnet_tiny_{os.getppid()}")
+        given = os.environ.get("RESNET_TINY_DIR")
+        base = given or os.path.join(tempfile.gettempdir(), f"resnet_tiny_{os.getppid()}")
         self.dir = os.path.join(base, model_name)
-        os.makedirs(self.dir, exist_ok=True)
         self.path = os.path.join(self.dir, str(os.getpid()))
-        with open(self.path, "w"):
-            pass
+        # why: the folders the last instance's close removes; a folder given by the user stays
+        self.folders = [self.dir] if given else [self.dir, base]
+        for attempt in range(3):
+            os.makedirs(self.dir, exist_ok=True)
+            try:
+                with open(self.path, "w"):
+                    pass
+                break
+            except FileNotFoundError:   # why: the last sibling's close removed the folder between the two calls
+                if attempt == 2:
+                    raise
 
     def count(self) -> int:
         live = 0
-        for name in os.listdir(self.dir):
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:       # why: removed under it (by hand): count itself, never fail a request
+            return 1
+        for name in names:
             if not name.isdigit():
                 continue
             if _alive(int(name)):
@@ -126,10 +139,16 @@ class SiblingRegistry:
         return max(1, live)
 
     def close(self) -> None:
+        """Unregister; the last instance removes the folders too (each server otherwise left two in /tmp)."""
         try:
             os.unlink(self.path)
         except OSError:
             pass
+        for folder in self.folders:
+            try:
+                os.rmdir(folder)        # only an empty one: a sibling still registered keeps it
+            except OSError:
+                break
 
 
 class TritonPythonModel:
