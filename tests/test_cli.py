@@ -114,3 +114,28 @@ def test_the_process_exits_with_one_line_and_no_traceback(tmp_path, argv, rc, pi
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == rc and len(lines) == 1 and piece in lines[0], r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_a_taken_controller_metrics_port_is_one_line_naming_its_holder(server, tmp_path):
+    """`run` (and `serve`) where the controller's port is taken: one line, the process that holds it named."""
+    import os
+    import socket
+    from pathlib import Path
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(textwrap.dedent(f"""\
+            server: {{http_url: {server.http_url}, grpc_url: {server.grpc_url}, metrics_url: {server.metrics_url}}}
+            controller: {{metrics_port: {port}}}
+            models: [sim_accel]
+            """))
+        r = subprocess.run([sys.executable, "-m", "controller", "run", "--config", str(cfg)], capture_output=True,
+                           text=True, timeout=60, cwd=ROOT)
+    comm = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    assert r.returncode == 1, r.stderr
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert line == [f"error: cannot serve the controller's metrics on 127.0.0.1:{port}: Address already in use "
+                    f"(by {comm} (pid {os.getpid()})) (choose another with --controller-metrics-port or "
+                    "controller.metrics_port)"], r.stderr
