@@ -410,8 +410,8 @@ def _supervise(server: TritonServer, stop: threading.Event, max_restarts: int, c
                state: dict, folder: Path | None) -> "ServerSupervisor":
     """Start the server's watch (server.ServerSupervisor): a server that dies is started again with the models it
     ran (`configs`: the controller's live configs, fresher than the watch's own 5-s read of them), at most
-    `max_restarts` times within 10 minutes; its notices go to serve's output, its restarts to the run-state file (`status` shows
-    the last)."""
+    `max_restarts` times within 10 minutes; its notices go to serve's output, its restarts to the run-state file
+    (`status` shows the last)."""
     from .server import RestartBudget, ServerSupervisor
 
     def say(text: str) -> None:

@@ -844,9 +844,9 @@ class ServerSupervisor:
     not one an operator unloaded. A restart loads those, each with its last live config (an ensemble, or a model
     whose config was not read yet, from its file), where `configs()` (the controller's: read every tick, its owner
     mark in) gives a fresher one for a model it manages. A model loaded less than `snapshot_s` before the death can
-    be missed, an operator's change of a running model's config made less than `configs_every_s` before it (a
-    model the controller manages: its tick) is; without any snapshot (a death in the first moment) the restart
-    loads what `start` loaded.
+    be missed, and so can an operator's change to the config of a model the controller does not manage made less
+    than `configs_every_s` before it; without any snapshot (a death in the first moment) the restart loads what
+    `start` loaded.
     Why two periods: the index is one small read; the configs are one read per model (at 1 s, 40 models would be
     40 reads a second against the server that serves), and a config changed by hand is rarer than a load.
 
@@ -934,13 +934,15 @@ class ServerSupervisor:
     def _watch(self) -> None:
         next_snapshot = next_configs = self._clock()
         while True:
-            if self._clock() >= next_snapshot and self.server.process is not None \
+            now = self._clock()
+            if now >= next_snapshot and self.server.process is not None \
                     and self.server.process.poll() is None and self._failed is None:
-                configs = self._clock() >= next_configs
+                configs = now >= next_configs
                 self.snapshot(configs)
-                next_snapshot = self._clock() + self._snapshot_s
+                # why: from the time the read began, so the cadence does not drift by each read's own time
+                next_snapshot = now + self._snapshot_s
                 if configs:
-                    next_configs = self._clock() + self._configs_every_s
+                    next_configs = now + self._configs_every_s
             if self.stop.wait(self._poll_s):
                 return
             if self._failed is not None:
