@@ -256,12 +256,37 @@ def is_model_folder(folder: Path) -> bool:
         return False
 
 
+def _policy_of_text(text: str) -> dict:
+    """A config.pbtxt's `version_policy` as the JSON form of a live config ({} where none, or where unread)."""
+    if re.search(r"^\s*version_policy\s*:?\s*\{\s*all\b", text, re.M):
+        return {"all": {}}
+    m = re.search(r"^\s*version_policy\s*:?\s*\{\s*specific\s*:?\s*\{([^}]*)\}", text, re.M)
+    if m:
+        return {"specific": {"versions": [int(v) for v in re.findall(r"\d+", m.group(1))]}}
+    m = re.search(r"^\s*version_policy\s*:?\s*\{\s*latest\s*:?\s*\{[^}]*?num_versions\s*:\s*(\d+)", text, re.M)
+    return {"latest": {"num_versions": int(m.group(1))}} if m else {}
+
+
+def _policy_versions(versions: list[Path], policy: dict | None) -> list[Path]:
+    """The version folders a version policy loads (Triton's default: the newest one)."""
+    policy = policy or {}
+    if "all" in policy:
+        return versions
+    if "specific" in policy:
+        wanted = {int(v) for v in (policy["specific"] or {}).get("versions", [])}
+        return [v for v in versions if int(v.name) in wanted]
+    n = int(((policy.get("latest") or {}).get("num_versions")) or 1)
+    return versions[-n:]
+
+
 def missing_python_file(folder: Path, config: dict | None = None) -> str | None:
     """Where `folder` holds a Python-backend model (its config, `config` or its config.pbtxt, says `backend:
-    "python"`) whose model file (`model.py`, or its `default_model_filename`) is in none of its numeric version
-    folders (or, under the default version policy, not in the newest), that file's expected path; else None.
+    "python"`) and a version folder its version policy loads (the newest under the default) lacks the model file
+    (`model.py`, or its `default_model_filename`), that file's expected path; else None.
     Why: Triton 2.51's Python backend does not answer the load of such a model (its stub says "Python model file
-    not found" and the load waits; measured here: no answer in 300 s), so serve checks before it asks."""
+    not found" and the load waits; measured here: no answer in 300 s), so serve checks before it asks. One version
+    lacking it is enough (measured: `version_policy: { all {} }`, 2/model.py present, 1/ without: no answer in
+    40 s, and the server then ignored SIGTERM)."""
     folder = Path(folder)
     path = folder / "config.pbtxt"
     try:
@@ -271,18 +296,16 @@ def missing_python_file(folder: Path, config: dict | None = None) -> str | None:
         return None                     # why: not ours to judge; the server's load says what is wrong
     if config is not None:
         backend, filename = config.get("backend"), config.get("default_model_filename") or None
-        policy = bool(config.get("version_policy"))
+        policy = config.get("version_policy") if isinstance(config.get("version_policy"), dict) else {}
     else:
         m = re.search(r'^\s*backend\s*:\s*"([^"]*)"', text, re.M)
         f = re.search(r'^\s*default_model_filename\s*:\s*"([^"]*)"', text, re.M)
-        backend, filename, policy = m and m.group(1), f and f.group(1), "version_policy" in text
+        backend, filename, policy = m and m.group(1), f and f.group(1), _policy_of_text(text)
     if backend != "python" or not versions:
         return None
     filename = filename or "model.py"
-    looked = versions if policy else versions[-1:]
-    if any((v / filename).is_file() for v in looked):
-        return None
-    return str(looked[-1] / filename)
+    lacking = [v for v in _policy_versions(versions, policy) if not (v / filename).is_file()]
+    return str(lacking[0] / filename) if lacking else None
 
 
 def repository_models(repository: Path) -> list[str]:

@@ -277,8 +277,8 @@ def test_model_that_fails_to_load_is_a_clear_error(tmp_path):
 
 def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path, caplog):
     """Triton 2.51's Python backend never answers the load of a model whose model.py is missing (300 s here, then
-    the client's timeout): serve finds it first, in the newest version folder (the default policy) or any (a policy
-    of the config's), under the file name the config gives; a model of another backend is not its business."""
+    the client's timeout): serve finds it first, in the newest version folder (the default policy) or each one the
+    config's policy loads, under the file name the config gives; a model of another backend is not its business."""
     def model(name: str, config: str, files: dict[str, str]) -> Path:
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.pbtxt").write_text(config)
@@ -291,8 +291,22 @@ def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path, capl
     assert missing_python_file(model("none", py, {"1/other.py": ""})) == str(tmp_path / "none" / "1" / "model.py")
     newest = str(tmp_path / "old" / "2" / "model.py")
     assert missing_python_file(model("old", py, {"1/model.py": "", "2/x": ""})) == newest
+    # a policy of the config's: every version folder it loads must hold the file (one lacking it hangs the load)
     policy = py + "version_policy: { all {} }\n"
-    assert missing_python_file(model("pol", policy, {"1/model.py": "", "2/x": ""})) is None
+    assert missing_python_file(model("pol", policy, {"1/model.py": "", "2/x": ""})) == str(tmp_path / "pol/2/model.py")
+    one_lacks = {"1/x": "", "2/model.py": ""}
+    assert missing_python_file(model("pol1", policy, one_lacks)) == str(tmp_path / "pol1/1/model.py")
+    assert missing_python_file(model("both", policy, {"1/model.py": "", "2/model.py": ""})) is None
+    latest2 = py + "version_policy {\n  latest {\n    num_versions: 2\n  }\n}\n"
+    files = {"1/x": "", "2/model.py": "", "3/model.py": ""}
+    assert missing_python_file(model("lat", latest2, files)) is None                      # 1 is not loaded
+    specific = py + "version_policy: { specific { versions: [1, 3] } }\n"
+    assert missing_python_file(model("spec", specific, files)) == str(tmp_path / "spec/1/model.py")
+    live = model("livepol", 'backend: "onnxruntime"\n', files)
+    assert missing_python_file(live, {"backend": "python", "version_policy": {"latest": {"num_versions": 1}}}) is None
+    assert missing_python_file(live, {"backend": "python", "version_policy": {"specific": {"versions": ["1", "3"]}}}) \
+        == str(live / "1" / "model.py")                        # a live config's int64 versions come as strings
+    assert missing_python_file(live, {"backend": "python", "version_policy": {"all": {}}}) == str(live / "1/model.py")
     assert missing_python_file(model("named", py + 'default_model_filename: "m.py"\n', {"1/m.py": ""})) is None
     assert missing_python_file(model("onnx", 'backend: "onnxruntime"\n', {"1/x": ""})) is None
     assert missing_python_file(model("cmt", '# backend: "python"\nbackend: "onnxruntime"\n', {"1/x": ""})) is None
