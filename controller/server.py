@@ -159,12 +159,13 @@ def port_holder(port: int) -> str | None:
         except (IndexError, ValueError):
             return 0
     pid = next((h for h in holders if parent(h) not in holders), holders[0])
-    words = f"{_proc_text(pid, 'comm') or 'a process'} (pid {pid})"
+    comm = _proc_text(pid, "comm")
+    words = f"{comm or 'a process'} (pid {pid})"
     ppid = parent(pid)
     argv = _proc_text(ppid, "cmdline").split() if ppid > 1 else []
     if "serve" in argv and any(a == "controller" or a.endswith("triton-autotune") for a in argv):
         words += f", started by serve pid {ppid} (`python -m controller status --pid {ppid}`)"
-    elif _proc_text(pid, "comm") == "tritonserver":
+    elif comm == "tritonserver":
         words += ", which no running serve started (one left by a serve that was killed? stop it: kill " \
                  f"{pid}, or kill -9 {pid} where it ignores that)"
     return words

@@ -110,6 +110,9 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - any client error: say which kind
             raise ServerError(explain_error(e, target.where, bool(target.headers), s.auth_key_env)) from None
         states = {m["name"]: m for m in index}
+        # why: serve's run-state says for sure that no controller runs; a config without a port says only that none
+        # is reachable (`run` may tune without one)
+        absent = target.serve is not None and not target.controller_port
         snapshot, ctl_error = None, target.no_controller_why or None
         if target.controller_port:
             try:
@@ -145,7 +148,7 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
             if name in models or entry.get("state") not in LIVE_STATES:
                 continue
             models[name] = {"state": entry["state"], "unmanaged": True}
-            if target.serve is not None and not target.controller_port:
+            if absent:
                 # why: under --no-controller nothing is tuned; the line says only that serve was not given it
                 models[name]["unmanaged_why"] = "loaded on the server, not one of serve's models (--models)"
             if entry["state"] == "READY":
@@ -163,9 +166,7 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
     doc["decision_log"] = (snapshot or {}).get("decision_log") or target.decision_log
     doc["controller"] = None if snapshot is None else {k: v for k, v in snapshot.items() if k != "models"}
     doc["controller_error"] = ctl_error
-    # why: serve's run-state says for sure that no controller runs; a config without a port says only that none is
-    # reachable (`run` may tune without one)
-    doc["controller_absent"] = target.serve is not None and not target.controller_port
+    doc["controller_absent"] = absent
     doc["models"] = models
     return doc
 
