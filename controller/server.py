@@ -42,9 +42,17 @@ DEFAULT_REPOSITORY = PACKAGE_ROOT / "model_repository"
 
 # Logged by every server without a GPU; never the reason something failed.
 HARMLESS_LOG_LINES = ("NVML", "DCGM", "CudaDriverHelper", "CUDA driver", "GPU metrics", "pinned memory")
-# the first line of what an aborting tritonserver prints: libstdc++'s uncaught exception, or its own signal handler
-CRASH_MARKERS = ("terminate called", "Signal (")
+# the first line of what an aborting tritonserver prints: libstdc++'s uncaught exception, glibc's heap check, or its
+# own signal handler
+CRASH_MARKERS = ("terminate called", "Signal (", "corrupted ", "double free", "free(): ", "malloc(): ",
+                 "munmap_chunk(): ", "realloc(): ")
 CRASH_LINES = 24
+# tritonserver's own handler of a fatal signal (SIGSEGV, SIGABRT, ...) prints this line first, then a backtrace, then
+# ends the process; the Python backend's stub prints no such line
+FATAL_SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.", re.M)
+# a server still alive this long after that line is wedged: the handler hangs (see ServerSupervisor)
+WEDGED_AFTER_S = 5.0
+LOG_READ_BYTES = 1 << 20     # the most of the log the watch reads in one poll
 # why: the repository index's states of a model the server runs: a full reload keeps it READY, an unload makes it
 # UNLOADING, then UNAVAILABLE (checked on 2.51)
 LIVE_STATES = ("READY", "LOADING")
@@ -379,6 +387,7 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._workdir: Path | None = None
         self.log_path: Path | None = None
+        self.log_offset = 0          # where the running process's lines begin in log_path (appended to at a restart)
         self.embedded = False
         self._binary: Path | None = None
         # why: a Python-backend stub killed while it shuts down leaves its /dev/shm region behind (about one
@@ -555,6 +564,7 @@ class TritonServer:
         if self.trace_path is not None:
             self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
+        self.log_offset = log_file.tell()
         self.process = spawn_dying_with_parent(
             self.command(self._binary, backend_dir), stdout=log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True,
@@ -877,6 +887,14 @@ class ServerSupervisor:
     Why restart: Triton 2.51 has crashed under load after an in-place instance-count change (SIGSEGV in its request
     free; upstream issue 7723), twice in this project's runs, and a server that stays down loses every request after.
 
+    A server can also crash without dying. Seen here once (open-loop load on two Python models, no reload near it):
+    glibc found the heap corrupt ("corrupted double-linked list"), aborted, and Triton's handler printed "Signal (6)
+    received." and then hung (its backtrace allocates, and the allocator's lock is held by the thread that aborted):
+    the process lived on, its HTTP health still said live, and every gRPC call timed out, for as long as it was left.
+    So the watch also reads the log the running process writes (from where its lines begin): where the handler's
+    line is there and the process is still alive `wedged_after_s` later (a handler that works prints its backtrace
+    and ends the process within a second), the process group is killed and restarted like any dead server.
+
     The watch runs in a thread that lives until `stop` is set, and the restarted process is spawned from it: Linux's
     parent-death signal (spawn_dying_with_parent) follows the *thread* that spawned, so the server must not be
     spawned from a thread that ends sooner. `lock` is held through a restart: the owner sets `stop` (which ends a
@@ -887,7 +905,7 @@ class ServerSupervisor:
                  configs: Callable[[], Mapping[str, dict]] | None = None, budget: RestartBudget | None = None,
                  say: Callable[[str], None] | None = None, on_restart: Callable[[list[dict]], None] | None = None,
                  poll_s: float = 0.5, snapshot_s: float = 1.0, configs_every_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 wedged_after_s: float = WEDGED_AFTER_S, clock: Callable[[], float] = time.monotonic):
         self.server = server
         self.stop = stop
         self.budget = budget if budget is not None else RestartBudget()
@@ -904,6 +922,11 @@ class ServerSupervisor:
         self._configs_every_s = configs_every_s
         self._clock = clock
         self._failed: str | None = None     # a restart's error, read as the next death
+        self._wedged_after_s = wedged_after_s
+        self._log_pid: int | None = None    # the process whose log lines are read, from _log_pos on
+        self._log_pos = 0
+        self._fatal: tuple[int, float] | None = None   # the signal its handler reported, and when that was read
+        self._wedged: str | None = None     # why the watch killed it: the exit words of the death that follows
         self._thread: threading.Thread | None = None
 
     def _restarted(self) -> None:
@@ -974,12 +997,53 @@ class ServerSupervisor:
                 ended = "did not start again"
             else:
                 p = self.server.process
-                if p is None or p.poll() is None:
+                if p is None:
+                    continue
+                if p.poll() is None:
+                    self._end_if_wedged(p)
                     continue
                 kept = self.server.keep_log(repoint=False)
-                ended = exit_words(p.returncode)
+                ended, self._wedged = self._wedged or exit_words(p.returncode), None
                 why = f"tritonserver {ended}: {self.server.log_tail()}" + (f" (full log: {kept})" if kept else "")
             self._after_death(why, ended, kept)
+
+    def fatal_signal(self) -> int | None:
+        """The signal tritonserver's handler reported in the running process's log lines (None: none yet). Reads
+        the lines written since the last call, whole lines only."""
+        p, path = self.server.process, getattr(self.server, "log_path", None)
+        if p is None or path is None:
+            return None
+        if p.pid != self._log_pid:
+            self._log_pid, self._log_pos, self._fatal = p.pid, getattr(self.server, "log_offset", 0), None
+        if self._fatal is None:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._log_pos)
+                    chunk = f.read(LOG_READ_BYTES)
+            except OSError:
+                return None
+            # why whole lines: a line half written now is read whole at the next poll; a full read is taken as it is
+            # (a line longer than a read must not stall the watch)
+            whole = chunk[:chunk.rfind(b"\n") + 1] if len(chunk) < LOG_READ_BYTES else chunk
+            self._log_pos += len(whole)
+            m = FATAL_SIGNAL_LINE.search(whole)
+            if m:
+                self._fatal = (int(m.group(1)), self._clock())
+        return self._fatal[0] if self._fatal else None
+
+    def _end_if_wedged(self, p) -> None:
+        """Kill a live server whose handler reported a fatal signal `wedged_after_s` ago (see the class doc)."""
+        signum = self.fatal_signal()
+        if signum is None or self._clock() - self._fatal[1] < self._wedged_after_s or self.stop.is_set():
+            return
+        try:
+            name = f" ({signal.Signals(signum).name})"
+        except ValueError:
+            name = ""
+        self._wedged = (f"received signal {signum}{name} and was still running {self._wedged_after_s:g} s later "
+                        "(its crash handler hangs; killed)")
+        log.warning("tritonserver (pid %d) %s", p.pid, self._wedged)
+        self.server.kill_group()
 
     def _after_death(self, why: str, ended: str, kept: Path | None) -> None:
         wait = self.budget.next_wait(self._clock())

@@ -351,6 +351,79 @@ def test_a_restart_stuck_in_a_load_is_ended_by_killing_its_server():
     assert sup.restarts[0]["error"].endswith("(SIGKILL) while loading it")
 
 
+def test_a_server_whose_crash_handler_hangs_is_killed_and_started_again(tmp_path):
+    """The handler's "Signal (6) received." in the running process's lines, the process still alive: killed
+    `wedged_after_s` later and restarted, its death named as such. The same line left by an earlier process (before
+    `log_offset`), or not yet ended by a newline, kills nothing; the new process's lines are read from its own
+    offset."""
+    log_file = tmp_path / "tritonserver.log"
+    log_file.write_bytes(b"I1206 starting\nSignal (11) received.\n")       # an earlier process's crash
+    server, stop, said = _Server(), threading.Event(), []
+    server.log_path, server.log_offset = log_file, log_file.stat().st_size
+    sup = ServerSupervisor(server, stop, budget=RestartBudget(3, backoff_s=0.01), say=said.append, poll_s=0.01,
+                           wedged_after_s=0.2).start()
+    try:
+        time.sleep(0.3)
+        assert not server.killed and sup.fatal_signal() is None
+        with open(log_file, "ab") as f:
+            f.write(b"corrupted double-linked list (not small)\nSignal (6) rec")     # half a line so far
+            f.flush()
+            time.sleep(0.3)
+            assert not server.killed
+            f.write(b"eived.\n")
+        t0 = time.monotonic()
+        _wait_for(lambda: server.killed)
+        assert 0.15 <= time.monotonic() - t0 < 3
+        assert not sup.restarts                           # killed: the death comes when the process ends
+        first = server.process.pid
+        server.die(-9)                                    # what SIGKILL does to the real one
+        _wait_for(lambda: sup.restarts and sup.restarts[-1].get("ok"))
+        assert sup.restarts[0]["exit"] == ("received signal 6 (SIGABRT) and was still running 0.2 s later "
+                                           "(its crash handler hangs; killed)"), sup.restarts
+        assert said[0].startswith("tritonserver received signal 6 (SIGABRT) and was still running"), said
+        # the new process: its lines begin after what is there now, so the old line does not kill it
+        server.killed = False
+        server.log_offset = log_file.stat().st_size
+        time.sleep(0.4)
+        assert server.process.pid != first and not server.killed and sup.fatal_signal() is None
+        server.die(-11)                                   # a plain death after it keeps its plain words
+        _wait_for(lambda: len(sup.restarts) == 2 and sup.restarts[-1].get("ok"))
+        assert sup.restarts[1]["exit"] == "exited with code -11 (SIGSEGV)"
+    finally:
+        stop.set()
+
+
+def test_a_real_wedged_tritonserver_is_killed_and_started_again(tmp_path):
+    """A real tritonserver stopped (SIGSTOP: alive, answering nothing, as the hung handler left one) with its
+    handler's line appended to its log: the supervisor kills it and starts it again, and the model serves."""
+    server = start_server(["sim_accel"], log_path=str(tmp_path / "tritonserver.log"))
+    stop, said, sup = threading.Event(), [], None
+    try:
+        sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=said.append, poll_s=0.05,
+                               wedged_after_s=1.0).start()
+        _wait_for(lambda: sup.running is not None)
+        pid = server.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        with open(server.log_path, "ab") as f:
+            f.write(b"corrupted double-linked list (not small)\nSignal (6) received.\n")
+        _wait_for(lambda: len(said) >= 2, timeout_s=90)
+        rec = sup.restarts[0]
+        assert rec["ok"] and rec["pid"] != pid, rec
+        assert rec["exit"].startswith("received signal 6 (SIGABRT) and was still running 1 s later"), rec
+        assert "corrupted double-linked list (not small) | Signal (6) received." in said[0], said
+        assert not process_alive(pid)
+        status, _ = server._http("POST", "/v2/models/sim_accel/infer", {"inputs": [
+            {"name": "INPUT", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
+        assert status == 200
+        time.sleep(1.5)                                   # the old line is the old process's: no second kill
+        assert len(sup.restarts) == 1 and server.process.poll() is None
+    finally:
+        stop.set()
+        if sup is not None:
+            sup._thread.join(30)
+        server.stop()
+
+
 def test_ended_takes_the_lock_at_once_without_a_restart():
     server, stop = _Server(), threading.Event()
     sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=lambda _: None, poll_s=0.01).start()
