@@ -1,7 +1,7 @@
 """`python -m controller <verb>` (also installed as `triton-autotune`).
 
 Verbs: serve (tritonserver + controller), run (controller beside a running server), status,
-sweep, bench, soak (N reloads under load, counting lost requests).
+sweep, bench, soak (N reloads under load, counting lost requests), load (open-loop traffic to one model).
 Every user error ends in one line on stderr and a non-zero exit: 2 for bad arguments or
 configuration, 1 for a server or runtime failure. Never a traceback.
 """
@@ -147,6 +147,28 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--seed", type=_bounded(int, 0, 2**31 - 1), default=0, help="Poisson schedule seed (default 0)")
     so.add_argument("--protocols", type=_protocols, default=("grpc", "http"),
                     help="inference clients driven at once, the rate split evenly (default grpc,http)")
+
+    ld = sub.add_parser("load", help="send open-loop traffic to one model of the running serve (or --url) and "
+                        "print what comes back: to watch the controller work")
+    ld.add_argument("--model", help="the model (default: serve's one model, where it runs one)")
+    ld.add_argument("--rate", type=_bounded(float, 0.01, 100_000.0), metavar="R",
+                    help="requests per second, Poisson arrivals, for --seconds")
+    ld.add_argument("--seconds", type=_bounded(float, 0.1, 86_400.0), default=60.0,
+                    help="with --rate: how long (default 60)")
+    ld.add_argument("--trace", type=Path, metavar="FILE", help="instead of --rate: a trace YAML (phases or day_curve, "
+                    "as in scripts/scenarios/)")
+    ld.add_argument("--pid", type=int, help="with several serves running: the one to load")
+    ld.add_argument("--config", type=Path, help="take the server's addresses from this controller YAML")
+    ld.add_argument("--url", help="host:port of a server started otherwise (its gRPC port; with --protocol http its "
+                    "HTTP port); loopback only")
+    ld.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="inference protocol (default grpc)")
+    ld.add_argument("--every", type=_bounded(float, 0.2, 3600.0), default=5.0, metavar="S",
+                    help="a line every S seconds (default 5)")
+    ld.add_argument("--sla-ms", type=_bounded(float, 0.1, 600_000.0), help="also count the answers within this latency")
+    ld.add_argument("--timeout-s", type=_bounded(float, 0.1, 600.0), default=10.0,
+                    help="a request not answered this long after its time counts as failed (default 10)")
+    ld.add_argument("--seed", type=_bounded(int, 0, 2**31 - 1), default=0, help="Poisson schedule seed (default 0)")
+    ld.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
     return p
 
 
@@ -587,6 +609,48 @@ def cmd_soak(args) -> int:
     return 0 if doc["failed_requests"] == 0 and doc["server_failures"] == 0 and doc["reloads_failed"] == 0 else 1
 
 
+def cmd_load(args) -> int:
+    from . import runstate
+    from .evaluation.load import LoadError, LoadInputError, LoadOptions, flush_print, run_load
+    if sum(x is not None for x in (args.url, args.config, args.pid)) > 1:
+        raise UsageError("load: give at most one of --url, --config and --pid")
+    serves_models: tuple[str, ...] = ()
+    if args.url is not None:
+        url = args.url
+    elif args.config is not None:
+        server = load_config(args.config).server
+        url = server.grpc_url if args.protocol == "grpc" else server.http_url
+    else:
+        try:
+            state = runstate.choose(args.pid)
+        except runstate.NothingRunning:
+            raise RunStateError("nothing is running: no `python -m controller serve` on this machine "
+                                "(for a server started otherwise, pass --url HOST:PORT)") from None
+        url = state.get("grpc_url") if args.protocol == "grpc" else state.get("http_url")
+        serves_models = tuple(state.get("models") or ())
+        where = f"serve pid {state.pid}"
+    model = args.model
+    if model is None:
+        if len(serves_models) == 1:
+            model = serves_models[0]
+        elif serves_models:
+            raise UsageError(f"load: --model: {where} runs {', '.join(serves_models)}; choose one")
+        else:
+            raise UsageError("load: --model is required")
+    opts = LoadOptions(model=model, url=url, protocol=args.protocol, rate_rps=args.rate, seconds=args.seconds,
+                       trace=args.trace, every_s=args.every, timeout_s=args.timeout_s, seed=args.seed,
+                       sla_ms=args.sla_ms, json_out=args.json)
+    try:
+        doc, stopped = run_load(opts, out=flush_print)
+    except LoadInputError as e:
+        raise UsageError(f"load: {e}") from None
+    except LoadError as e:
+        raise ServerError(str(e)) from None
+    if stopped:
+        return 130
+    return 0 if doc["failed"] == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -596,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     verbs = {"serve": cmd_serve, "run": cmd_run, "status": cmd_status, "sweep": cmd_sweep, "bench": cmd_bench,
-             "soak": cmd_soak}
+             "soak": cmd_soak, "load": cmd_load}
     try:
         return verbs[args.verb](args)
     except UsageError as e:

@@ -68,9 +68,11 @@ LIVE_CHECK_TIMEOUT_S = 10.0   # how long run_open_loop waits for the server to a
 # How long, after the last deadline, a run waits for the gRPC calls it stopped waiting for (at least): they
 # are left to finish, not cancelled (see `_Run.one`), and only those still out then are cancelled.
 ABANDONED_WAIT_S = 10.0
+STOP_POLL_S = 0.2                # with a `stop` event: the longest the driver sleeps before it looks at it
 
 ERROR_TIMEOUT = "timeout"
 ERROR_CLIENT_OVERLOADED = "client_overloaded"
+ERROR_NOT_SENT = "not_sent"      # the run was stopped (`stop`) before this request's time came
 
 
 class TraceError(ValueError):
@@ -487,8 +489,10 @@ class _Run:
 
     def __init__(self, client: Any, model: str, inputs: list[Any], schedule_s: np.ndarray,
                  timeout_s: float, max_in_flight: int, headers: Mapping[str, str] | None,
-                 keep_late_calls: bool = False):
+                 keep_late_calls: bool = False, on_record: Callable[[RequestRecord], None] | None = None,
+                 stop: asyncio.Event | None = None):
         self.client, self.model, self.inputs = client, model, inputs
+        self.on_record, self.stop = on_record, stop
         self.schedule_s, self.timeout_s, self.max_in_flight = schedule_s, timeout_s, max_in_flight
         self.headers = dict(headers) if headers else None
         self.keep_late_calls = keep_late_calls
@@ -502,6 +506,11 @@ class _Run:
 
     def now_s(self) -> float:
         return self.loop.time() - self.t0
+
+    def record(self, index: int, record: RequestRecord) -> None:
+        self.records[index] = record
+        if self.on_record is not None:
+            self.on_record(record)
 
     async def one(self, index: int) -> None:
         """Send request `index` and record its fate by its deadline.
@@ -518,20 +527,20 @@ class _Run:
         try:
             remaining_s = scheduled_s + self.timeout_s - sent_s
             if remaining_s <= 0.0:   # expired before it could go out: never sent
-                self.records[index] = RequestRecord(scheduled_s, None, None, False, ERROR_TIMEOUT)
+                self.record(index, RequestRecord(scheduled_s, None, None, False, ERROR_TIMEOUT))
                 return
             call = asyncio.ensure_future(self.client.infer(self.model, self.inputs, headers=self.headers))
             await asyncio.wait_for(asyncio.shield(call) if self.keep_late_calls else call, remaining_s)
-            self.records[index] = RequestRecord(scheduled_s, sent_s, self.now_s(), True, None)
+            self.record(index, RequestRecord(scheduled_s, sent_s, self.now_s(), True, None))
         except asyncio.TimeoutError:
-            self.records[index] = RequestRecord(scheduled_s, sent_s, None, False, ERROR_TIMEOUT)
+            self.record(index, RequestRecord(scheduled_s, sent_s, None, False, ERROR_TIMEOUT))
             self.abandon(call)
         except asyncio.CancelledError:
-            self.records[index] = RequestRecord(scheduled_s, sent_s, None, False, ERROR_TIMEOUT)
+            self.record(index, RequestRecord(scheduled_s, sent_s, None, False, ERROR_TIMEOUT))
             self.abandon(call)
             raise
         except Exception as exc:  # noqa: BLE001  (any failure is a failed request, with its text)
-            self.records[index] = RequestRecord(scheduled_s, sent_s, self.now_s(), False, _error_text(exc))
+            self.record(index, RequestRecord(scheduled_s, sent_s, self.now_s(), False, _error_text(exc)))
         finally:
             self.in_flight -= 1
 
@@ -549,8 +558,8 @@ class _Run:
         now_s = self.now_s()
         while index < len(self.schedule_s) and self.schedule_s[index] <= now_s:
             if self.in_flight >= self.max_in_flight:
-                self.records[index] = RequestRecord(float(self.schedule_s[index]), None, None, False,
-                                                    ERROR_CLIENT_OVERLOADED)
+                self.record(index, RequestRecord(float(self.schedule_s[index]), None, None, False,
+                                                 ERROR_CLIENT_OVERLOADED))
             else:
                 self.in_flight += 1
                 task = self.loop.create_task(self.one(index))
@@ -562,14 +571,21 @@ class _Run:
     async def drive(self) -> list[RequestRecord]:
         index = 0
         while index < len(self.schedule_s):
+            if self.stop is not None and self.stop.is_set():
+                for i in range(index, len(self.schedule_s)):   # never sent: the caller stopped the run
+                    self.record(i, RequestRecord(float(self.schedule_s[i]), None, None, False, ERROR_NOT_SENT))
+                break
             wait_s = self.schedule_s[index] - self.now_s()
+            if self.stop is not None:
+                wait_s = min(wait_s, STOP_POLL_S)   # why: a long gap between sends must not delay the stop
             # Sleep until the next request is due; yield at least once so sends start promptly.
             await asyncio.sleep(max(0.0, wait_s))
             index = self.dispatch_due(index)
         await self.drain()
-        return [r if r is not None else
-                RequestRecord(float(self.schedule_s[i]), None, None, False, ERROR_TIMEOUT)
-                for i, r in enumerate(self.records)]
+        for i, r in enumerate(self.records):
+            if r is None:
+                self.record(i, RequestRecord(float(self.schedule_s[i]), None, None, False, ERROR_TIMEOUT))
+        return list(self.records)
 
     async def drain(self) -> None:
         """Wait for stragglers (each already bounded by its own deadline), then cancel any left; then for the
@@ -593,7 +609,10 @@ class _Run:
 async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.ndarray,
                         make_inputs: InputFactory, *, protocol: str = "grpc", timeout_s: float = 10.0,
                         max_in_flight: int = 1024, headers: Mapping[str, str] | None = None,
-                        keep_late_calls: bool | None = None) -> list[RequestRecord]:
+                        keep_late_calls: bool | None = None,
+                        on_record: Callable[[RequestRecord], None] | None = None,
+                        on_start: Callable[[], None] | None = None,
+                        stop: asyncio.Event | None = None) -> list[RequestRecord]:
     """Send one request per schedule offset, open loop, and return one record per offset (in order).
 
     - Each request goes out at its scheduled offset from the run start whether or not earlier ones
@@ -611,6 +630,10 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
       finish; False over gRPC only to reproduce the crash (`scripts/grpc_cancel_repro.py`).
     - `make_inputs()` is called once; the same tensors go with every request.
     - While it drives, the process's older objects are frozen out of the garbage collector (`gc_frozen`).
+    - `on_start()` is called at the run's time 0 (after the connection and the live check), and
+      `on_record(record)` as each record becomes final, both in the event loop (for a live view).
+    - Setting `stop` ends the sending: the requests not yet due are recorded as ERROR_NOT_SENT, and the
+      ones in flight are waited for as at the end of a run (never cancelled while the server may answer).
     - Only loopback targets are accepted (ValueError otherwise). Raises ConnectionError if the
       server is not live before the run starts.
     """
@@ -626,8 +649,11 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
         await _check_live(client, target, LIVE_CHECK_TIMEOUT_S)   # also opens the connection before t0
         keep = protocol == "grpc" if keep_late_calls is None else keep_late_calls
         with gc_frozen():
-            return await _Run(client, model, inputs, offsets_s, timeout_s, max_in_flight, headers,
-                              keep_late_calls=keep).drive()
+            run = _Run(client, model, inputs, offsets_s, timeout_s, max_in_flight, headers,
+                       keep_late_calls=keep, on_record=on_record, stop=stop)
+            if on_start is not None:
+                on_start()
+            return await run.drive()
     finally:
         await client.close()
 
