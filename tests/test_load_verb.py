@@ -169,6 +169,20 @@ def test_a_lagging_client_is_named_in_the_summary():
     assert "fell up to 1.0 ms (p99) behind schedule" in text and "large part" not in text, text
 
 
+@pytest.mark.parametrize("config, piece", [
+    ({"model_transaction_policy": {"decoupled": True}}, "is decoupled"),
+    ({"model_transaction_policy": {"decoupled": "true"}}, "is decoupled"),
+    ({"model_transaction_policy": {"decoupled": "false"}}, None),
+    ({"sequence_batching": {"control_input": [{"name": "START"}]}}, "is stateful (a sequence batcher)"),
+    ({"sequence_batching": {"max_sequence_idle_microseconds": "1000"}}, "is stateful"),
+    ({"model_transaction_policy": {"decoupled": False}, "dynamic_batching": {}}, None),
+    ({}, None),
+])
+def test_models_that_one_response_requests_cannot_load_are_named(config, piece):
+    why = load.unsupported(config)
+    assert (why is None) if piece is None else piece in why
+
+
 def test_a_line_counts_what_came_back_in_its_interval():
     live = load.Live(np.array([0.1, 0.2, 0.3, 1.2, 1.4]), None)
     for r in (_rec(0.1, 10.0), _rec(0.2, 30.0), RequestRecord(0.3, 0.3, 0.35, False, "boom")):

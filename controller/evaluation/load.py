@@ -111,6 +111,19 @@ def model_config(protocol: str, url: str, model: str, timeout_s: float = 10.0) -
         client.close()
 
 
+def unsupported(config: dict) -> str | None:
+    """Why one-response requests without a sequence cannot load this model (None: they can)."""
+    from ..modelkind import classify
+    kind = classify(config)
+    if kind.decoupled:
+        return ("is decoupled (its responses stream): load sends requests that take one response each; "
+                "drive it with a streaming client")
+    if kind.sequence_batching:
+        return ("is stateful (a sequence batcher): every request needs a sequence id and start/end flags, "
+                "which load does not send; drive it with your own sequences")
+    return None
+
+
 def _grpc_timeout(protocol: str, timeout_s: float) -> dict:
     return {"client_timeout": timeout_s} if protocol == "grpc" else {}
 
@@ -258,6 +271,9 @@ def run_load(opts: LoadOptions, out: Callable[[str], None] = print) -> tuple[dic
     except loadgen.TraceError as e:
         raise LoadInputError(str(e)) from None
     config = model_config(opts.protocol, url, opts.model, opts.timeout_s)
+    why = unsupported(config)
+    if why:
+        raise LoadError(f"model {opts.model!r} {why}")
     try:
         arrays = loadgen.inputs_from_config(config, opts.seed)()
     except (ValueError, KeyError, TypeError) as e:
