@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .config import ConfigError, ControllerConfig, ServerConfig, load_config
 from .runstate import RunStateError, SeveralRunning
-from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, port_holder
+from .server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, held_by
 
 log = logging.getLogger("controller")
 
@@ -240,9 +240,8 @@ def _start_controller(cfg: ControllerConfig, port: int | None):
             endpoint = controller.metrics.serve(port, host, status=controller.status_snapshot, allow_remote=True)
         except OSError as e:
             controller.close()
-            holder = port_holder(port) if port else None
             raise ServerError(f"cannot serve the controller's metrics on {host}:{port}: {e.strerror or e}"
-                              + (f" (by {holder})" if holder else "")
+                              + held_by(port, " (by {})")
                               + " (choose another with --controller-metrics-port or controller.metrics_port)") from None
         log.info("controller metrics and status on http://%s:%d/metrics and /status", _hostport(host), endpoint.port)
         import socket

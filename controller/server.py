@@ -179,6 +179,12 @@ def port_holder(port: int) -> str | None:
     return words
 
 
+def held_by(port: int | None, words: str = " by {}") -> str:
+    """`words` with port_holder's answer in it, for an error about a taken port; "" where it has none."""
+    holder = port_holder(port) if port else None
+    return words.format(holder) if holder else ""
+
+
 def _embedded_root() -> Path | None:
     try:
         import pytriton  # noqa: F401  (the nvidia-pytriton wheel)
@@ -494,9 +500,7 @@ class TritonServer:
         taken = self._taken_port()
         if taken is not None:
             label, port = taken
-            holder = port_holder(port)
-            by = f" by {holder}" if holder else ""
-            raise ServerError(f"{label} port {o.host}:{port} is already in use{by}; choose another with "
+            raise ServerError(f"{label} port {o.host}:{port} is already in use{held_by(port)}; choose another with "
                               f"--{label.lower()}-port")
         binary, self.embedded = find_tritonserver(o.tritonserver)
         precompile_models(Path(o.repository), names)
@@ -528,9 +532,8 @@ class TritonServer:
         self._halt()
         taken = self._taken_port()
         if taken is not None:
-            holder = port_holder(taken[1])
             raise ServerError(f"{taken[0]} port {self.options.host}:{taken[1]} was taken while tritonserver was down"
-                              + (f", by {holder}" if holder else ""))
+                              + held_by(taken[1], ", by {}"))
         try:
             self._launch(cancel)
             return self._load_models(order, configs, cancel, strict=False)
