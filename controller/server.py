@@ -271,8 +271,21 @@ def is_model_folder(folder: Path) -> bool:
         return False
 
 
+def _config_of_text(text: str) -> dict | None:
+    """A config.pbtxt parsed as this client's ModelConfig, in the JSON form of a live config; None where it does not
+    parse here (a field of a newer server, a typo the server will name)."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+    try:
+        parsed = text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError:
+        return None
+    return json_format.MessageToDict(parsed, preserving_proto_field_name=True)
+
+
 def _policy_of_text(text: str) -> dict:
-    """A config.pbtxt's `version_policy` as the JSON form of a live config ({} where none, or where unread)."""
+    """A config.pbtxt's `version_policy` as the JSON form of a live config ({} where none, or where unread), read by
+    patterns: for a file that does not parse as this client's ModelConfig."""
     if re.search(r"^\s*version_policy\s*:?\s*\{\s*all\b", text, re.M):
         return {"all": {}}
     m = re.search(r"^\s*version_policy\s*:?\s*\{\s*specific\s*:?\s*\{([^}]*)\}", text, re.M)
@@ -309,6 +322,8 @@ def missing_python_file(folder: Path, config: dict | None = None) -> str | None:
         text = path.read_text(errors="replace") if config is None and path.is_file() else ""
     except OSError:
         return None                     # why: not ours to judge; the server's load says what is wrong
+    if config is None and text:
+        config = _config_of_text(text)
     if config is not None:
         backend, filename = config.get("backend"), config.get("default_model_filename") or None
         policy = config.get("version_policy") if isinstance(config.get("version_policy"), dict) else {}

@@ -307,6 +307,12 @@ def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path, capl
     assert missing_python_file(live, {"backend": "python", "version_policy": {"specific": {"versions": ["1", "3"]}}}) \
         == str(live / "1" / "model.py")                        # a live config's int64 versions come as strings
     assert missing_python_file(live, {"backend": "python", "version_policy": {"all": {}}}) == str(live / "1/model.py")
+    # the file is parsed as a ModelConfig (a comment inside the policy is no policy lost) ...
+    commented = py + "version_policy {\n  # every version we ship\n  all {}\n}\n"
+    assert missing_python_file(model("cmtpol", commented, one_lacks)) == str(tmp_path / "cmtpol/1/model.py")
+    # ... and read by patterns where it does not parse here (a field of a newer server)
+    newer = policy + "a_field_of_a_newer_server: 1\n"
+    assert missing_python_file(model("newer", newer, one_lacks)) == str(tmp_path / "newer/1/model.py")
     assert missing_python_file(model("named", py + 'default_model_filename: "m.py"\n', {"1/m.py": ""})) is None
     assert missing_python_file(model("onnx", 'backend: "onnxruntime"\n', {"1/x": ""})) is None
     assert missing_python_file(model("cmt", '# backend: "python"\nbackend: "onnxruntime"\n', {"1/x": ""})) is None
