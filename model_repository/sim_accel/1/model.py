@@ -13,7 +13,8 @@ instance at b=1 takes 7.5 ms (133 req/s) and at b=8 18 ms (444 req/s). The devic
 b=8 an execution holds a slot for 6 ms, so batching raises the device's ceiling to
 2 * 8 / 6 ms = 2667 req/s.
 
-The slots are advisory file locks (fcntl.flock) in `$SIM_ACCEL_DIR/<device_name>/`, so every
+The slots are advisory file locks (fcntl.flock) in `$SIM_ACCEL_DIR/<device_name>/` (default
+`<tmp>/sim_accel_<server pid>/`; the last instance to close removes it), so every
 instance (one process each) and every model naming the same device share them. Sleeping costs
 almost no CPU, so two cores are enough to simulate many instances.
 Each instance keeps a buffer of `instance_memory_mb` (touched, so it is resident) and reports it
@@ -39,6 +40,7 @@ line is an empty policy: no effect).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -58,14 +60,53 @@ def _param(config: dict, key: str, default: str) -> str:
 
 
 class SimulatedDevice:
-    """`parallelism` slots shared across processes through flock'ed files."""
+    """`parallelism` slots shared across processes through flock'ed files in `<base>/<name>/`, and the instances
+    that use them registered in its `stubs/` (one file per stub process, `record` in it).
 
-    def __init__(self, name: str, parallelism: int):
-        base = os.environ.get("SIM_ACCEL_DIR") or os.path.join(tempfile.gettempdir(), f"sim_accel_{os.getppid()}")
-        self.dir = os.path.join(base, name)
-        os.makedirs(self.dir, exist_ok=True)
-        self.fds = [os.open(os.path.join(self.dir, f"slot{i}"), os.O_RDWR | os.O_CREAT, 0o644) for i in range(parallelism)]
+    The last instance to close removes the device's folder, and the base folder where the user gave none
+    (`/tmp/sim_accel_<server pid>`: every server that loaded the model left one behind). Opening and registering,
+    and unregistering and removing, each happen under a lock on the base folder, so that an instance starting as
+    the last one closes either registers first (and the folder stays) or finds it gone and makes it again; never
+    holds slot files that were removed (its locks would then not be shared with the next instance's). A folder
+    with a registration left in it (a stub that crashed, whose metrics a sibling zeroes) stays."""
+
+    def __init__(self, name: str, parallelism: int, model_name: str, record: dict):
+        given = os.environ.get("SIM_ACCEL_DIR")
+        self.base = given or os.path.join(tempfile.gettempdir(), f"sim_accel_{os.getppid()}")
+        self.remove_base = not given
+        self.dir = os.path.join(self.base, name)
+        self.stubs_dir = os.path.join(self.dir, "stubs")
+        self.stub_file = os.path.join(self.stubs_dir, f"{model_name}.{os.getpid()}")
+        self.slots = [os.path.join(self.dir, f"slot{i}") for i in range(parallelism)]
+        with self._locked():
+            os.makedirs(self.stubs_dir, exist_ok=True)
+            self.fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644) for path in self.slots]
+            with open(self.stub_file, "w") as f:
+                json.dump(record, f)
         self._next = os.getpid()
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """An exclusive lock on the base folder (made where missing); taken again where the folder was removed
+        while this process waited for it."""
+        while True:
+            os.makedirs(self.base, exist_ok=True)
+            try:
+                fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:      # removed between the two calls
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.stat(self.base).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        try:
+            yield
+        finally:
+            os.close(fd)                   # releases the lock
 
     def acquire(self) -> int:
         for fd in self.fds:
@@ -84,8 +125,32 @@ class SimulatedDevice:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
+        """Unregister; the last instance removes the folders (see the class doc)."""
+        with self._locked():
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
+            try:
+                os.remove(self.stub_file)
+            except OSError:
+                pass
+            try:
+                if os.listdir(self.stubs_dir):
+                    return                 # a sibling, or a crashed stub's registration
+            except FileNotFoundError:
+                pass
+            for path in self.slots:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+            for folder in [self.stubs_dir, self.dir] + ([self.base] if self.remove_base else []):
+                try:
+                    os.rmdir(folder)       # only an empty one: another device's folder keeps the base
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    break
 
 
 def _alive(pid: int) -> bool:
@@ -146,7 +211,9 @@ class TritonPythonModel:
         self.sim_gpu = int(m.group(1)) if m else None      # which simulated GPU, for a `*_simgpu<k>` group
         _check_sim_gpu_groups(config)
         device = _param(config, "device_name", "sim0") + ("" if self.sim_gpu is None else f"_gpu{self.sim_gpu}")
-        self.device = SimulatedDevice(device, int(_param(config, "device_parallelism", "2")))
+        self.model_name = args["model_name"]
+        self.device = SimulatedDevice(device, int(_param(config, "device_parallelism", "2")), self.model_name,
+                                      {"instance": self.instance_name, "sim_gpu": self.sim_gpu})
         memory_bytes = int(float(_param(config, "instance_memory_mb", "64")) * 2**20)
         self.buffer = np.ones(memory_bytes // 8, dtype=np.float64)  # resident, like weights on a device
 
@@ -178,14 +245,9 @@ class TritonPythonModel:
             self.m_gpu_mem.set(self.buffer.nbytes)
         # why: the server keeps a stub's series after the stub is gone; finalize() zeroes its memory, but a stub
         # that crashed never ran it, so the stubs of this model that died are zeroed here (their pid files)
-        self.stubs_dir = os.path.join(self.device.dir, "stubs")
-        os.makedirs(self.stubs_dir, exist_ok=True)
-        self.model_name = args["model_name"]
+        self.stubs_dir = self.device.stubs_dir
         self._release_dead_stubs()
         self._released_at = time.monotonic()
-        self.stub_file = os.path.join(self.stubs_dir, f"{self.model_name}.{os.getpid()}")
-        with open(self.stub_file, "w") as f:
-            json.dump({"instance": self.instance_name, "sim_gpu": self.sim_gpu}, f)
 
     def _release_dead_stubs(self) -> None:
         for name in os.listdir(self.stubs_dir):
@@ -249,9 +311,5 @@ class TritonPythonModel:
         self.m_mem.set(0)
         if self.m_gpu_mem is not None:
             self.m_gpu_mem.set(0)
-        try:
-            os.remove(self.stub_file)
-        except OSError:
-            pass
         self.device.close()
         self.buffer = None
