@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--timeout-s", type=_bounded(float, 0.1, 600.0), default=10.0,
                     help="a request not answered this long after its time counts as failed (default 10)")
     ld.add_argument("--seed", type=_bounded(int, 0, 2**31 - 1), default=0, help="Poisson schedule seed (default 0)")
+    ld.add_argument("--batch-size", type=_bounded(int, 1, 1_000_000), default=1, metavar="N",
+                    help="items per request, where the model batches (default 1)")
     ld.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
     return p
 
@@ -638,7 +640,7 @@ def cmd_load(args) -> int:
             raise UsageError("load: --model is required")
     opts = LoadOptions(model=model, url=url, protocol=args.protocol, rate_rps=args.rate, seconds=args.seconds,
                        trace=args.trace, every_s=args.every, timeout_s=args.timeout_s, seed=args.seed,
-                       sla_ms=args.sla_ms, json_out=args.json)
+                       sla_ms=args.sla_ms, json_out=args.json, batch_size=args.batch_size)
     try:
         doc, stopped = run_load(opts, out=flush_print)
     except LoadInputError as e:

@@ -48,6 +48,13 @@ def test_a_run_prints_a_line_per_interval_and_a_summary_that_counts_every_reques
     assert doc["send_lag_p99_ms"] is not None and doc["stopped_at_s"] is None
 
 
+def test_requests_of_several_items(sim_server):
+    r = _load("--model", "sim_accel", "--url", _url(sim_server), "--rate", "20", "--seconds", "1", "--batch-size", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("sending ") and " requests of 4 items to sim_accel" in r.stdout.splitlines()[0]
+    assert " 0 failed" in r.stdout
+
+
 def test_ctrl_c_stops_sending_waits_for_those_in_flight_and_summarises(sim_server):
     proc = subprocess.Popen([sys.executable, "-m", "controller", "load", "--model", "sim_accel", "--url",
                              _url(sim_server), "--rate", "50", "--seconds", "60", "--every", "0.5"],
@@ -97,6 +104,9 @@ def test_serves_one_model_is_the_default_and_nothing_running_is_one_line(tmp_pat
     (["--model", "sim_accel", "--rate", "5", "--url", "127.0.0.1:9", "--protocol", "http"], 1,
      "Triton at 127.0.0.1:9 (http) is not reachable"),
     (["--model", "sim_accel", "--rate", "0"], 2, "argument --rate: 0 is outside [0.01, 100000]"),
+    (["--model", "sim_accel", "--rate", "1000", "--seconds", "3600"], 2, "about 3,600,000 requests: at most 1,000,000"),
+    (["--model", "sim_accel", "--rate", "5", "--batch-size", "33"], 2,
+     "--batch-size 33: model 'sim_accel' takes at most 32 per request"),
     (["--model", "sim_accel", "--rate", "5", "--pid", "1"], 2, "at most one of --url, --config and --pid"),
     (["--model", "sim_accel", "--rate", "5", "--json", "/proc/x/y.json"], 2, "--json: cannot write"),
 ])

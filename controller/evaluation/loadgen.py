@@ -742,13 +742,13 @@ def _random_tensor(rng: np.random.Generator, shape: tuple[int, ...], triton_type
     return rng.standard_normal(shape).astype(dtype)
 
 
-def inputs_from_config(config: Mapping[str, Any], seed: int = 0) -> InputFactory:
-    """Random batch-1 inputs for every input of a model config (the JSON Triton serves).
+def inputs_from_config(config: Mapping[str, Any], seed: int = 0, batch_size: int = 1) -> InputFactory:
+    """Random inputs for every input of a model config (the JSON Triton serves).
 
-    Variable dims (-1) become 1; a batch dim of 1 is prepended when max_batch_size > 0.
+    Variable dims (-1) become 1; a batch dim of `batch_size` (default 1) is prepended when max_batch_size > 0.
     """
     rng = np.random.default_rng(seed)
-    batch = (1,) if int(config.get("max_batch_size", 0) or 0) > 0 else ()
+    batch = (batch_size,) if int(config.get("max_batch_size", 0) or 0) > 0 else ()
     arrays: dict[str, np.ndarray] = {}
     for spec in config.get("input", []):
         dims = tuple(max(1, int(d)) for d in spec.get("dims", []))
