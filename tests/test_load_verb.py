@@ -110,11 +110,12 @@ def test_serves_one_model_is_the_default_and_nothing_running_is_one_line(tmp_pat
     (["--model", "sim_accel", "--rate", "5", "--pid", "1"], 2, "at most one of --url, --config and --pid"),
     (["--model", "sim_accel", "--rate", "5", "--json", "/proc/x/y.json"], 2, "--json: cannot write"),
 ])
-def test_bad_inputs_are_one_line(sim_server, argv, rc, piece):
+def test_bad_inputs_are_one_line(sim_server, argv, rc, piece, tmp_path):
     if "--url" not in argv:
         argv = [*argv, "--url", _url(sim_server)]
-    r = _load(*argv)
+    r = _load(*argv, "--json", str(tmp_path / "out.json")) if "--json" not in argv else _load(*argv)
     assert r.returncode == rc, (r.stdout, r.stderr)
+    assert not (tmp_path / "out.json").exists()                # no empty summary left behind
     assert piece.format(grpc=sim_server.options.grpc_port) in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 

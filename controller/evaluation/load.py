@@ -103,12 +103,11 @@ def model_config(protocol: str, url: str, model: str, timeout_s: float = 10.0) -
         if not client.is_model_ready(model, **_grpc_timeout(protocol, timeout_s)):
             why = _config_error(client, protocol, model, timeout_s)
             raise LoadError(f"model {model!r} is not ready on {url}: {why}")
-        try:
-            if protocol == "http":
-                return client.get_model_config(model)
-            return client.get_model_config(model, as_json=True, **_grpc_timeout(protocol, timeout_s))["config"]
-        except InferenceServerException as e:
-            raise LoadError(f"cannot read the config of {model!r} from {url}: {_text(e)}") from None
+        if protocol == "http":
+            return client.get_model_config(model)
+        return client.get_model_config(model, as_json=True, **_grpc_timeout(protocol, timeout_s))["config"]
+    except (InferenceServerException, OSError) as e:   # why: the server went away, or timed out, mid-way
+        raise LoadError(f"cannot read the config of {model!r} from {url}: {_text(e)}") from None
     finally:
         client.close()
 
@@ -257,13 +256,24 @@ def format_summary(doc: dict, model: str, where: str, sla_ms: float | None) -> s
 def run_load(opts: LoadOptions, out: Callable[[str], None] = print) -> tuple[dict, bool]:
     """Drive the load, printing a line every `every_s`; return (summary, stopped by Ctrl-C)."""
     trace = build_trace(opts)
+    created = False
     if opts.json_out is not None:       # why: found out before the run, not after minutes of it
         try:
             opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+            created = not opts.json_out.exists()
             with open(opts.json_out, "a"):
                 pass
         except OSError as e:
             raise LoadInputError(f"--json: cannot write {opts.json_out}: {e.strerror or e}") from None
+    try:
+        return _run_load(opts, trace, out)
+    except BaseException:
+        if created:                     # why: no empty file left where a script looks for a summary
+            opts.json_out.unlink(missing_ok=True)
+        raise
+
+
+def _run_load(opts: LoadOptions, trace: loadgen.Trace, out: Callable[[str], None]) -> tuple[dict, bool]:
     try:
         url = loadgen.require_loopback(opts.url)
     except ValueError as e:
