@@ -481,7 +481,27 @@ def format_text(doc: dict, last: int = 3) -> str:
         lines.extend(format_model(name, m, last, doc.get("models")))
     if not doc.get("models"):
         lines += ["", "no models on the server"]
+    hint = _no_traffic_hint(doc)
+    if hint:
+        lines += ["", hint]
     return "\n".join(lines)
+
+
+def _no_traffic_hint(doc: dict) -> str | None:
+    """Under serve, where no model the controller manages had a request in its window (the first minutes of a
+    first run, as a rule): how to send some. Elsewhere the traffic is the users'."""
+    if (doc.get("source") or {}).get("kind") != "serve" or doc.get("controller") is None:
+        return None
+    managed = [(n, m) for n, m in (doc.get("models") or {}).items() if "reason" in m and not m.get("unmanaged")]
+    if not managed or any(((m.get("obs") or {}).get("arrival_rps") or 0) > 0
+                          or ((m.get("obs") or {}).get("completion_rps") or 0) > 0 for _, m in managed):
+        return None
+    ready = [n for n, m in managed if m.get("state") == "READY" and not m.get("ensemble_steps")] or \
+        [n for n, m in managed if m.get("state") == "READY"]
+    if not ready:
+        return None
+    return (f"no requests yet: `python -m controller load --model {ready[0]} --rate 50` sends some, open loop, "
+            "a line every 5 s (README, \"Then: send it traffic\")")
 
 
 # ---- the verb -------------------------------------------------------------------------------------

@@ -392,3 +392,19 @@ def test_the_newcomer_walk_serve_status_traffic_status_stop(tmp_path, capsys):
     assert not state_file.exists() and decision_log.exists()       # the log outlives serve, the run state not
     r = _cli(env, "status")
     assert r.returncode == 1 and r.stdout.startswith("nothing is running"), r.stdout + r.stderr
+
+
+def test_under_serve_with_no_traffic_status_says_how_to_send_some():
+    idle = {"state": "READY", "instances": 1, "delay_us": 0, "reason": "HoldSteady",
+            "obs": {"arrival_rps": 0.0, "completion_rps": 0.0, "span_s": 18.0}}
+    doc = {"time": 100.0, "source": {"kind": "serve", "pid": 42, "started": 40.0},
+           "server": {"http_url": "h:1", "grpc_url": "h:2", "metrics_url": "http://h:3/metrics"},
+           "controller": {"uptime_s": 60, "interval_s": 2, "window_s": 20, "tracing": "on"},
+           "models": {"resnet_tiny": dict(idle), "sim_accel": dict(idle)}}
+    text = format_text(doc)
+    assert text.endswith("no requests yet: `python -m controller load --model resnet_tiny --rate 50` sends some, "
+                         "open loop, a line every 5 s (README, \"Then: send it traffic\")"), text
+    busy = dict(doc, models={"resnet_tiny": dict(idle), "sim_accel": dict(idle, obs={"arrival_rps": 3.0})})
+    assert "no requests yet" not in format_text(busy)                       # one model has traffic: no hint
+    assert "no requests yet" not in format_text(dict(doc, source={"kind": "config", "path": "c.yaml"}))
+    assert "no requests yet" not in format_text(dict(doc, controller=None))
