@@ -116,18 +116,18 @@ def marked_file_config(model_dir: Path, mark: OwnerMark) -> tuple[dict | None, s
     from its file and the controller claims it later, as `run` does beside a server it did not start.
     Example: sim_accel's file with `parameters { key: "triton_autotune_owner" ... }` added, the name from the
     folder where the file has none; for a model without a config.pbtxt, the name and the mark alone."""
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
+    from google.protobuf import text_format
+
+    from .server import parse_config_text
     path = Path(model_dir) / "config.pbtxt"
     if not path.exists():
         # why: a model without a file: the server completes a config from the model file, for an override holding
         # only the name as for none (tests/test_ownership.py compares the two)
         return with_mark({"name": Path(model_dir).name}, mark), ""
     try:
-        parsed = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+        config = parse_config_text(path.read_text())
     except (OSError, UnicodeDecodeError, text_format.ParseError) as e:
         return None, f"{path} not read here ({' '.join(str(e).split())[:160]})"
-    config = json_format.MessageToDict(parsed, preserving_proto_field_name=True)
     config.setdefault("name", Path(model_dir).name)
     return with_mark(config, mark), ""
 

@@ -271,16 +271,22 @@ def is_model_folder(folder: Path) -> bool:
         return False
 
 
-def _config_of_text(text: str) -> dict | None:
-    """A config.pbtxt parsed as this client's ModelConfig, in the JSON form of a live config; None where it does not
-    parse here (a field of a newer server, a typo the server will name)."""
+def parse_config_text(text: str) -> dict:
+    """A config.pbtxt parsed as this client's ModelConfig, in the JSON form of a live config. Raises
+    google.protobuf.text_format.ParseError where it does not parse here (a field of a newer server, a typo)."""
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
+    return json_format.MessageToDict(text_format.Parse(text, model_config_pb2.ModelConfig()),
+                                     preserving_proto_field_name=True)
+
+
+def _config_of_text(text: str) -> dict | None:
+    """`parse_config_text`, None where the file does not parse here."""
+    from google.protobuf import text_format
     try:
-        parsed = text_format.Parse(text, model_config_pb2.ModelConfig())
+        return parse_config_text(text)
     except text_format.ParseError:
         return None
-    return json_format.MessageToDict(parsed, preserving_proto_field_name=True)
 
 
 def _policy_of_text(text: str) -> dict:
@@ -1028,11 +1034,11 @@ class ServerSupervisor:
     def fatal_signal(self) -> int | None:
         """The signal tritonserver's handler reported in the running process's log lines (None: none yet). Reads
         the lines written since the last call, whole lines only."""
-        p, path = self.server.process, getattr(self.server, "log_path", None)
+        p, path = self.server.process, self.server.log_path
         if p is None or path is None:
             return None
         if p.pid != self._log_pid:
-            self._log_pid, self._log_pos, self._fatal = p.pid, getattr(self.server, "log_offset", 0), None
+            self._log_pid, self._log_pos, self._fatal = p.pid, self.server.log_offset, None
         if self._fatal is None:
             try:
                 with open(path, "rb") as f:

@@ -77,6 +77,8 @@ class _Server:
 
     def __init__(self, fail_restarts: int = 0, running: dict | None = None, not_loaded: list | None = None):
         self.process = _Proc()
+        self.log_path: Path | None = None          # no log to read (the wedge test gives one)
+        self.log_offset = 0
         self.restarted_with: list = []
         self.loaded_names: list = []
         self.fail_restarts = fail_restarts
