@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--batch-size", type=_bounded(int, 1, 1_000_000), default=1, metavar="N",
                     help="items per request, where the model batches (default 1)")
     ld.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
+    for verb in (ld, sw, b):
+        _add_input_args(verb)
     return p
 
 
@@ -185,6 +187,33 @@ def _bounded(convert, lo, hi):
             raise argparse.ArgumentTypeError(f"{value:g} is outside [{lo:g}, {hi:g}]")
         return value
     return parse
+
+
+def _shape(text: str) -> tuple[str, tuple[int, ...]]:
+    from .evaluation.inputs import parse_shape
+    try:
+        return parse_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_input_args(parser: argparse.ArgumentParser) -> None:
+    """--shape and --input-data: what the requests carry (see controller/evaluation/inputs.py)."""
+    parser.add_argument("--shape", type=_shape, action="append", default=[], metavar="NAME:D1,D2",
+                        help="an input's dims without the batch dim, setting its variable (-1) ones (repeat per "
+                             "input; default: 1 for each variable dim)")
+    parser.add_argument("--input-data", type=Path, metavar="FILE",
+                        help="the requests' contents, perf_analyzer's JSON format ({\"data\": [{INPUT: [values]}, "
+                             "...]}), sent in turn (default: random values)")
+
+
+def _input_spec(args):
+    """The InputSpec of --shape/--input-data, or None where neither was given; UsageError for a bad one."""
+    from .evaluation.inputs import InputSpecError, make_spec
+    try:
+        return make_spec(args.shape, args.input_data)
+    except InputSpecError as e:
+        raise UsageError(str(e)) from None
 
 
 def _bounded_list(convert, lo, hi):
@@ -553,8 +582,14 @@ def cmd_sweep(args) -> int:
     rates = args.rates or [50.0, 150.0, 300.0]
     if max(rates) > 400:
         raise UsageError(f"--rates: the load generator sustains about 400 req/s here; got {max(rates):g}")
-    doc = run_sweep(args.model, args.instances, args.delays_us, rates, seconds=args.seconds, warmup_s=args.warmup_s,
-                    sla_ms=args.sla_ms, seed=args.seed, repository=args.repository)
+    from .evaluation.inputs import InputSpecError
+    inputs = _input_spec(args)
+    try:
+        doc = run_sweep(args.model, args.instances, args.delays_us, rates, seconds=args.seconds,
+                        warmup_s=args.warmup_s, sla_ms=args.sla_ms, seed=args.seed, repository=args.repository,
+                        inputs=inputs)
+    except InputSpecError as e:
+        raise UsageError(f"sweep: {e}") from None
     path = write_sweep(doc, args.out)
     print(format_table(doc))
     print(f"wrote {path} and {path.with_suffix('.png')} ({doc['elapsed_s']:g} s)")
@@ -581,6 +616,9 @@ def cmd_bench(args) -> int:
         if is_multi_model_scenario(args.scenario):
             if args.model_analyzer is not None:
                 raise UsageError("--model-analyzer: only for a one-model scenario")
+            if args.shape or args.input_data is not None:
+                raise UsageError("--shape and --input-data: only for a one-model scenario (a two-model one sends "
+                                 "random inputs to each)")
             return run_bench_multi(args)      # two models sharing one device and memory budget
         return run_bench(args)
     except (BenchError, MultiBenchError) as e:
@@ -640,7 +678,8 @@ def cmd_load(args) -> int:
             raise UsageError("load: --model is required")
     opts = LoadOptions(model=model, url=url, protocol=args.protocol, rate_rps=args.rate, seconds=args.seconds,
                        trace=args.trace, every_s=args.every, timeout_s=args.timeout_s, seed=args.seed,
-                       sla_ms=args.sla_ms, json_out=args.json, batch_size=args.batch_size)
+                       sla_ms=args.sla_ms, json_out=args.json, batch_size=args.batch_size,
+                       inputs=_input_spec(args))
     try:
         doc, stopped = run_load(opts, out=flush_print)
     except LoadInputError as e:

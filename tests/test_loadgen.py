@@ -349,7 +349,7 @@ def _drive(client, offsets, timeout_s, keep_late_calls):
     from controller.evaluation.loadgen import _Run
 
     async def go():
-        run = _Run(client, "m", [], np.asarray(offsets, float), timeout_s, 100, None, keep_late_calls=keep_late_calls)
+        run = _Run(client, "m", [[]], np.asarray(offsets, float), timeout_s, 100, None, keep_late_calls=keep_late_calls)
         return run, await run.drive()
     return asyncio.run(go())
 

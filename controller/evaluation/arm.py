@@ -44,6 +44,7 @@ import numpy as np
 
 from ..decision_log import read_records
 from ..types import Settings
+from .inputs import InputSpec
 from .loadgen import RequestRecord, make_inputs_from_config, run_open_loop_sync
 
 CONTROLLER_LEAD_S = 2.0            # the controller process starts this long before the traffic
@@ -79,6 +80,7 @@ class ArmSpec:
     repository: Path | None = None              # None: the shipped model repository
     controller: ControllerSpec | None = None
     helper: Callable[[object, float], Helper] | None = None   # (server, traffic t0 monotonic) -> a started helper
+    inputs: Mapping[str, InputSpec | None] = field(default_factory=dict)   # per model: --shape/--input-data
 
 
 @dataclass
@@ -259,7 +261,8 @@ def run_arm(spec: ArmSpec) -> ArmRun:
             supervisor = ServerSupervisor(server, watching, budget=RestartBudget(3), snapshot_s=STATS_EVERY_S,
                                           configs_every_s=STATS_EVERY_S,
                                           say=lambda text: log(f"arm {spec.name}: {text}")).start()
-            inputs = {name: make_inputs_from_config(server.http_url, name) for name in spec.models}
+            inputs = {name: make_inputs_from_config(server.http_url, name, spec=spec.inputs.get(name))
+                      for name in spec.models}
             run_doc = None
             if spec.controller is not None:
                 controller, run_doc, decision_log, observation_log = start_controller(

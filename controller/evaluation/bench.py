@@ -47,6 +47,7 @@ from ..sweep_schema import Cell, cells_of, load_sweep
 from ..types import Settings
 from .arm import REQUEST_TIMEOUT_S, ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
 from .arm import run_arm as run_shared_arm
+from .inputs import InputSpec, InputSpecError, describe, make_spec
 from .loadgen import Phase, Trace, load_trace, poisson_schedule, summarize
 
 ARMS = ("default", "best_static", "oracle", "adaptive")
@@ -480,6 +481,7 @@ class BenchOptions:
     controller_scale_down_delay_s: float | None = None   # None: the controller's default
     controller_planner: bool = True        # False: the reactive rules alone (the planner's fallback), to bench them
     model_analyzer: Path | None = None     # model_analyzer.json: adds the static arm `model_analyzer` at MA's pick
+    inputs: InputSpec | None = None        # --shape / --input-data (default: random values, variable dims 1)
 
 
 class _OracleSwitcher(threading.Thread):
@@ -555,7 +557,7 @@ def run_arm(arm: str, trace: Trace, schedule: np.ndarray, opts: BenchOptions, in
         return switcher
 
     run = run_shared_arm(ArmSpec(arm, [opts.model], {opts.model: initial}, {opts.model: schedule}, opts.out,
-                                 repository=opts.repository,
+                                 repository=opts.repository, inputs={opts.model: opts.inputs},
                                  helper=start_switcher if arm == "oracle" and oracle_plan else None,
                                  controller=_controller_spec(opts, trace) if arm == "adaptive" else None))
     events = [{"t": 0.0, "instances": initial.instance_count, "delay_us": initial.max_queue_delay_us,
@@ -792,7 +794,7 @@ def bench(opts: BenchOptions) -> dict:
             rates = rates_from_trace(trace)
             _log(f"no --sweep given: sweeping {list(opts.instances)} instances x {list(opts.delays_us)} us x {rates} req/s")
             doc = run_sweep(opts.model, opts.instances, opts.delays_us, rates, seconds=opts.sweep_seconds,
-                            sla_ms=opts.sla_ms, seed=opts.seed, repository=opts.repository)
+                            sla_ms=opts.sla_ms, seed=opts.seed, repository=opts.repository, inputs=opts.inputs)
             sweep_path = write_sweep(doc, opts.out)
         try:
             doc = load_sweep(sweep_path)
@@ -804,6 +806,9 @@ def bench(opts: BenchOptions) -> dict:
                              f"{opts.sla_ms:g} ms: rerun the sweep or pass --sla-ms {doc['sla_ms']:g}")
         if doc.get("model", opts.model) != opts.model:
             raise BenchError(f"the sweep {sweep_path} is of model {doc['model']!r}, the bench runs {opts.model!r}")
+        if doc.get("inputs", {"random": True}) != describe(opts.inputs):
+            _log(f"warning: the sweep {sweep_path} sent inputs {doc.get('inputs', {'random': True})}, the bench sends "
+                 f"{describe(opts.inputs)}: its best_static and oracle may not fit these requests")
     ma_pick, ma_doc = (None, None)
     if opts.model_analyzer is not None:
         ma_pick, ma_doc = load_model_analyzer(opts.model_analyzer, opts.model, opts.sla_ms)
@@ -868,6 +873,10 @@ def run_bench(args) -> int:
     for p in (args.scenario, args.sweep, getattr(args, "model_analyzer", None)):
         if p is not None and not Path(p).is_file():
             raise BenchError(f"{p}: no such file")
+    try:
+        inputs = make_spec(getattr(args, "shape", ()), getattr(args, "input_data", None))
+    except InputSpecError as e:
+        raise BenchError(str(e)) from None
     opts = BenchOptions(scenario=args.scenario, out=args.out, sweep=args.sweep, sla_ms=args.sla_ms, model=args.model,
                         repository=args.repository, arms=args.arms or ARMS, seed=args.seed,
                         max_instances=args.max_instances, controller_interval_s=args.controller_interval_s,
@@ -876,8 +885,11 @@ def run_bench(args) -> int:
                         controller_gpu=args.controller_gpu,
                         controller_scale_down_delay_s=args.controller_scale_down_delay_s,
                         controller_planner=getattr(args, "controller_planner", "on") == "on",
-                        model_analyzer=getattr(args, "model_analyzer", None))
-    summary = bench(opts)
+                        model_analyzer=getattr(args, "model_analyzer", None), inputs=inputs)
+    try:
+        summary = bench(opts)
+    except InputSpecError as e:
+        raise BenchError(str(e)) from None
     print(format_summary(summary))
     print(f"wrote {opts.out / 'summary.json'} and {opts.out / 'timeline.png'}")
     return 0

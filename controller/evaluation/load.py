@@ -13,8 +13,10 @@ failures that came back in those seconds and their p50/p99. At the end a summary
 several, and how far the client's sends fell behind its schedule (where that is large, the client, not the
 server, set the latency). Ctrl-C stops sending, waits for the requests in flight, then summarises.
 
-Inputs are random tensors built from the model's live config (every input; a variable dimension becomes 1;
-batch 1 where the model batches, `--batch-size N` for more), the same tensors in every request. Only loopback
+Inputs are random tensors built from the model's live config (every input; a variable dimension becomes 1 unless
+`--shape NAME:D1,...` sets it; batch 1 where the model batches, `--batch-size N` for more), the same tensors in
+every request, or the user's requests from `--input-data FILE` (perf_analyzer's JSON format), sent in turn: see
+`inputs`. An input whose variable dims go out as 1 is named before the run. Only loopback
 addresses are accepted, as everywhere in this project's load generators. Exit status: 0 when every request
 sent came back, 1 when some failed (the summary counts them by error), 130 after Ctrl-C.
 """
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import loadgen
+from .inputs import InputSpec, InputSpecError, variable_notes
 
 # why a cap: every request's record is kept for the summary (about 150 bytes each); 1 M is 83 min at 200 req/s
 MAX_REQUESTS = 1_000_000
@@ -64,6 +67,7 @@ class LoadOptions:
     sla_ms: float | None = None
     json_out: Path | None = None
     batch_size: int = 1
+    inputs: InputSpec | None = None        # --shape / --input-data
 
 
 def build_trace(opts: LoadOptions) -> loadgen.Trace:
@@ -294,12 +298,20 @@ def _run_load(opts: LoadOptions, trace: loadgen.Trace, out: Callable[[str], None
         raise LoadInputError(f"--batch-size {opts.batch_size}: model {opts.model!r} takes "
                              + (f"at most {max_batch} per request" if max_batch else "no batch dimension"))
     try:
-        arrays = loadgen.inputs_from_config(config, opts.seed, opts.batch_size)()
+        make_inputs = loadgen.inputs_from_config(config, opts.seed, opts.batch_size, spec=opts.inputs)
+    except InputSpecError as e:
+        raise LoadInputError(str(e)) from None
     except (ValueError, KeyError, TypeError) as e:
         raise LoadError(f"cannot build inputs for {opts.model!r} from its config: {e}") from None
+    for note in variable_notes(config, opts.inputs):
+        out(f"note: {note}")
     live = Live(schedule, opts.sla_ms)
     stopped = {"at": None}
     items = f" of {opts.batch_size} items" if opts.batch_size > 1 else ""
+    sets = make_inputs()
+    if isinstance(sets, list):
+        items += f" ({len(sets)} distinct, from {opts.inputs.source} in turn)" if len(sets) > 1 else \
+            f" (from {opts.inputs.source})"
     out(f"sending {len(schedule)} requests{items} to {opts.model} over {trace.duration_s:g} s via {url} "
         f"({opts.protocol}); a line every {opts.every_s:g} s; Ctrl-C stops")
 
@@ -321,7 +333,7 @@ def _run_load(opts: LoadOptions, trace: loadgen.Trace, out: Callable[[str], None
 
         with _sigint(loop, on_sigint):
             try:
-                await loadgen.run_open_loop(url, opts.model, schedule, lambda: arrays, protocol=opts.protocol,
+                await loadgen.run_open_loop(url, opts.model, schedule, make_inputs, protocol=opts.protocol,
                                             timeout_s=opts.timeout_s, on_record=live.add, on_start=on_start,
                                             stop=stop)
             except ConnectionError as e:

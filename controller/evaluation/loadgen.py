@@ -49,11 +49,13 @@ from typing import Any
 
 import numpy as np
 
+from .inputs import InputSpec, input_sets
+
 __all__ = [
     "TraceError", "Burst", "Phase", "Trace", "load_trace", "expand_day_curve",
     "poisson_schedule",
     "RequestRecord", "InputFactory", "require_loopback", "run_open_loop", "run_open_loop_sync", "gc_frozen",
-    "make_resnet_tiny_inputs", "make_inputs_from_config", "inputs_from_config",
+    "make_resnet_tiny_inputs", "make_inputs_from_config", "inputs_from_config", "live_config",
     "BinStats", "PhaseStats", "Totals", "LoadSummary", "summarize",
     "ERROR_TIMEOUT", "ERROR_CLIENT_OVERLOADED",
 ]
@@ -376,7 +378,7 @@ def poisson_schedule(trace: Trace, seed: int, max_requests: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Driving the server
 # ---------------------------------------------------------------------------------------------
-InputFactory = Callable[[], "dict[str, np.ndarray]"]
+InputFactory = Callable[[], "dict[str, np.ndarray] | list[dict[str, np.ndarray]]"]   # one set, or sets in turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,15 +464,23 @@ def _open_client(protocol: str, target: str, max_in_flight: int) -> tuple[Any, A
     raise ValueError(f"protocol: expected 'grpc' or 'http', got {protocol!r}")
 
 
-def _infer_inputs(module: Any, arrays: Mapping[str, np.ndarray]) -> list[Any]:
+def _infer_inputs(module: Any, arrays: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]]
+                  ) -> list[list[Any]]:
+    """The client's tensors of each distinct request (one set, or several sent in turn), built once."""
     from tritonclient.utils import np_to_triton_dtype
 
-    inputs = []
-    for name, array in arrays.items():
-        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    sets = [arrays] if isinstance(arrays, Mapping) else list(arrays)
+    if not sets:
+        raise ValueError("make_inputs() returned no input sets")
+    out = []
+    for one in sets:
+        inputs = []
+        for name, array in one.items():
+            tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        out.append(inputs)
+    return out
 
 
 def _error_text(exc: BaseException) -> str:
@@ -487,7 +497,7 @@ def _error_text(exc: BaseException) -> str:
 class _Run:
     """State of one open-loop run: the clock origin, in-flight count and the records by index."""
 
-    def __init__(self, client: Any, model: str, inputs: list[Any], schedule_s: np.ndarray,
+    def __init__(self, client: Any, model: str, inputs: list[list[Any]], schedule_s: np.ndarray,
                  timeout_s: float, max_in_flight: int, headers: Mapping[str, str] | None,
                  keep_late_calls: bool = False, on_record: Callable[[RequestRecord], None] | None = None,
                  stop: asyncio.Event | None = None):
@@ -529,7 +539,8 @@ class _Run:
             if remaining_s <= 0.0:   # expired before it could go out: never sent
                 self.record(index, RequestRecord(scheduled_s, None, None, False, ERROR_TIMEOUT))
                 return
-            call = asyncio.ensure_future(self.client.infer(self.model, self.inputs, headers=self.headers))
+            inputs = self.inputs[index % len(self.inputs)]
+            call = asyncio.ensure_future(self.client.infer(self.model, inputs, headers=self.headers))
             await asyncio.wait_for(asyncio.shield(call) if self.keep_late_calls else call, remaining_s)
             self.record(index, RequestRecord(scheduled_s, sent_s, self.now_s(), True, None))
         except asyncio.TimeoutError:
@@ -628,7 +639,8 @@ async def run_open_loop(url: str, model: str, schedule: Sequence[float] | np.nda
       deadline no longer counts as outstanding, even while it is left to finish.
     - `keep_late_calls` (default: True over gRPC, False over HTTP) says whether a late call is left to
       finish; False over gRPC only to reproduce the crash (`scripts/grpc_cancel_repro.py`).
-    - `make_inputs()` is called once; the same tensors go with every request.
+    - `make_inputs()` is called once. It returns one set of tensors (a dict: every request carries it) or a
+      list of sets (request k carries set k mod N: `--input-data`'s entries).
     - While it drives, the process's older objects are frozen out of the garbage collector (`gc_frozen`).
     - `on_start()` is called at the run's time 0 (after the connection and the live check), and
       `on_record(record)` as each record becomes final, both in the event loop (for a live view).
@@ -720,54 +732,35 @@ def make_resnet_tiny_inputs(seed: int = 0) -> InputFactory:
     return lambda: {"INPUT": array}
 
 
-_TRITON_TO_NUMPY: dict[str, type] = {
-    "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
-    "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8, "TYPE_INT16": np.int16, "TYPE_INT32": np.int32,
-    "TYPE_INT64": np.int64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
-    "TYPE_STRING": np.object_,
-}
+def inputs_from_config(config: Mapping[str, Any], seed: int = 0, batch_size: int = 1,
+                       spec: InputSpec | None = None) -> InputFactory:
+    """Inputs for every input of a model config (the JSON Triton serves); see `inputs` for the rules.
 
-
-def _random_tensor(rng: np.random.Generator, shape: tuple[int, ...], triton_type: str) -> np.ndarray:
-    dtype = _TRITON_TO_NUMPY.get(triton_type)
-    if dtype is None:
-        raise ValueError(f"data type {triton_type} is not supported by the generic input factory")
-    if dtype is np.object_:
-        return np.array([str(v).encode() for v in rng.integers(0, 10, size=shape).ravel()],
-                        dtype=np.object_).reshape(shape)
-    if dtype is np.bool_:
-        return rng.integers(0, 2, size=shape).astype(np.bool_)
-    if np.issubdtype(dtype, np.integer):
-        return rng.integers(0, 10, size=shape).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def inputs_from_config(config: Mapping[str, Any], seed: int = 0, batch_size: int = 1) -> InputFactory:
-    """Random inputs for every input of a model config (the JSON Triton serves).
-
-    Variable dims (-1) become 1; a batch dim of `batch_size` (default 1) is prepended when max_batch_size > 0.
+    Without `spec`: one random set (variable dims become 1; a batch dim of `batch_size` in front where
+    max_batch_size > 0). With `spec.shapes`, those dims; with `spec.data`, one set per entry, sent in turn.
+    Raises ValueError (`InputSpecError`) where they do not fit the config.
     """
-    rng = np.random.default_rng(seed)
-    batch = (batch_size,) if int(config.get("max_batch_size", 0) or 0) > 0 else ()
-    arrays: dict[str, np.ndarray] = {}
-    for spec in config.get("input", []):
-        dims = tuple(max(1, int(d)) for d in spec.get("dims", []))
-        arrays[spec["name"]] = _random_tensor(rng, batch + dims, spec["data_type"])
-    if not arrays:
-        raise ValueError(f"model config for {config.get('name', '?')!r} lists no inputs")
-    return lambda: arrays
+    sets = input_sets(config, spec, seed=seed, batch_size=batch_size)
+    if len(sets) == 1 and (spec is None or spec.data is None):
+        return lambda: sets[0]
+    return lambda: sets
 
 
 def make_inputs_from_config(http_url: str, model: str, *, seed: int = 0,
                             headers: Mapping[str, str] | None = None, timeout_s: float = 10.0,
-                            ) -> InputFactory:
+                            spec: InputSpec | None = None) -> InputFactory:
     """GET the live config of `model` from the (loopback) HTTP endpoint and build its inputs."""
+    return inputs_from_config(live_config(http_url, model, headers=headers, timeout_s=timeout_s), seed, spec=spec)
+
+
+def live_config(http_url: str, model: str, *, headers: Mapping[str, str] | None = None,
+                timeout_s: float = 10.0) -> dict:
+    """The model's live config (the JSON Triton serves) from the (loopback) HTTP endpoint."""
     target = require_loopback(http_url)
     request = urllib.request.Request(f"http://{target}/v2/models/{urllib.parse.quote(model)}/config",
                                      headers=dict(headers or {}))
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        config = json.loads(response.read())
-    return inputs_from_config(config, seed)
+        return json.loads(response.read())
 
 
 # ---------------------------------------------------------------------------------------------

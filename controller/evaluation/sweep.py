@@ -31,7 +31,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .loadgen import Trace, load_trace, poisson_schedule, run_open_loop_sync, make_inputs_from_config
+from .inputs import InputSpec, describe, variable_notes
+from .loadgen import Trace, inputs_from_config, live_config, load_trace, poisson_schedule, run_open_loop_sync
 from ..sweep_schema import Cell, cells_of, sweep_document
 from ..types import Settings
 
@@ -139,8 +140,11 @@ def measure_cell(url: str, model: str, make_inputs, settings: Settings, rate_rps
 def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], rates_rps: Sequence[float], *,
               seconds: float = 6.0, warmup_s: float = 1.0, sla_ms: float = 40.0, seed: int = 0,
               repository: Path | None = None, progress: Progress | None = None,
-              on_cell: Callable[[Cell], None] | None = None) -> dict:
-    """Start one fresh server, measure every cell, and return the sweep document (see module doc)."""
+              on_cell: Callable[[Cell], None] | None = None, inputs: InputSpec | None = None) -> dict:
+    """Start one fresh server, measure every cell, and return the sweep document (see module doc).
+
+    `inputs`: --shape/--input-data (default: random values, a variable dim as 1); recorded in the document.
+    """
     from ..actuation import Actuator, TritonControl
     from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
 
@@ -154,7 +158,10 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
         progress = progress or Progress(len(configs) * len(rates_rps))
         try:
             actuator = Actuator(control)
-            make_inputs = make_inputs_from_config(server.http_url, model)
+            config = live_config(server.http_url, model)
+            make_inputs = inputs_from_config(config, spec=inputs)
+            for note in variable_notes(config, inputs):
+                print(f"note: {note}", file=sys.stderr, flush=True)
             for settings in configs:
                 result = actuator.apply(model, settings)
                 if not result.ok:
@@ -172,8 +179,10 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
         finally:
             progress.close()
             control.close()
-    return sweep_document(model, cells, sla_ms=sla_ms, seconds=seconds, warmup_s=warmup_s, seed=seed,
-                          elapsed_s=time.monotonic() - t0)
+    doc = sweep_document(model, cells, sla_ms=sla_ms, seconds=seconds, warmup_s=warmup_s, seed=seed,
+                         elapsed_s=time.monotonic() - t0)
+    doc["inputs"] = describe(inputs)
+    return doc
 
 
 # ---------------------------------------------------------------------------------------------
