@@ -496,7 +496,9 @@ def _no_traffic_hint(doc: dict) -> str | None:
     if not managed or any(((m.get("obs") or {}).get("arrival_rps") or 0) > 0
                           or ((m.get("obs") or {}).get("completion_rps") or 0) > 0 for _, m in managed):
         return None
-    ready = [n for n, m in managed if m.get("state") == "READY" and not m.get("ensemble_steps")] or \
+    # why: the model the users call, an ensemble rather than one of its steps (which the ensemble's traffic reaches)
+    steps = {s for _, m in (doc.get("models") or {}).items() for s in (m.get("ensemble_steps") or [])}
+    ready = [n for n, m in managed if m.get("state") == "READY" and n not in steps] or \
         [n for n, m in managed if m.get("state") == "READY"]
     if not ready:
         return None

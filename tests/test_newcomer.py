@@ -408,3 +408,8 @@ def test_under_serve_with_no_traffic_status_says_how_to_send_some():
     assert "no requests yet" not in format_text(busy)                       # one model has traffic: no hint
     assert "no requests yet" not in format_text(dict(doc, source={"kind": "config", "path": "c.yaml"}))
     assert "no requests yet" not in format_text(dict(doc, controller=None))
+    # an ensemble is what users call: its name, not its step's, though the step sorts first
+    ens = dict(doc, models={"a_step": dict(idle), "ens": dict(idle, ensemble_steps=["a_step"])})
+    assert "load --model ens --rate 50" in format_text(ens)
+    only_step = dict(doc, models={"a_step": dict(idle), "ens": dict(idle, ensemble_steps=["a_step"], state="LOADING")})
+    assert "load --model a_step --rate 50" in format_text(only_step)
