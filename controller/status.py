@@ -28,7 +28,7 @@ from .actuation import TritonControl, explain_error, settings_of
 from .config import ControllerConfig, ServerConfig
 from .decision_log import by_model, read_records
 from .service import JITTER_FLOOR
-from .server import LIVE_STATES, ServerError
+from .server import LIVE_STATES, ServerError, load_error_text
 
 CONTROLLER_TIMEOUT_S = 3.0
 
@@ -95,6 +95,31 @@ def target_from_config(cfg: ControllerConfig, path: str | None) -> Target:
 
 # ---- gathering ----------------------------------------------------------------------------------
 
+def by_name(index: list[dict]) -> dict[str, dict]:
+    """The repository index by model name. A model of several versions on the server (its version policy loads
+    `all` or `latest N`) has one entry per version: its state is READY where one version is (the server serves it),
+    else the last one's, and `versions` keeps each version's state and reason (a new version that failed to load
+    beside one that serves is what a user asks about; the controller's count applies to every version).
+
+    Example: [{"name": "m", "version": "1", "state": "READY"}, {"name": "m", "version": "2", "state": "UNAVAILABLE",
+    "reason": "..."}] -> {"m": {"name": "m", "version": "1", "state": "READY", "versions": [{"version": "1",
+    "state": "READY", "reason": ""}, {"version": "2", "state": "UNAVAILABLE", "reason": "..."}]}}.
+    """
+    grouped: dict[str, list[dict]] = {}
+    for entry in index:
+        grouped.setdefault(entry["name"], []).append(entry)
+    out = {}
+    for name, entries in grouped.items():
+        ready = [e for e in entries if e.get("state") == "READY"]
+        entry = dict(ready[0] if ready else entries[-1])
+        versioned = [e for e in entries if e.get("version")]
+        if len(versioned) > 1:
+            entry["versions"] = [{"version": str(e["version"]), "state": e.get("state") or "",
+                                  "reason": load_error_text(e.get("reason") or "")} for e in versioned]
+        out[name] = entry
+    return out
+
+
 def fetch_controller(port: int, timeout_s: float = CONTROLLER_TIMEOUT_S) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout_s) as r:
         return json.loads(r.read())
@@ -109,7 +134,7 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
             index = control.repository_index()
         except Exception as e:  # noqa: BLE001 - any client error: say which kind
             raise ServerError(explain_error(e, target.where, bool(target.headers), s.auth_key_env)) from None
-        states = {m["name"]: m for m in index}
+        states = by_name(index)
         # why: serve's run-state says for sure that no controller runs; a config without a port says only that none
         # is reachable (`run` may tune without one)
         absent = target.serve is not None and not target.controller_port
@@ -136,6 +161,8 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
             m: dict[str, Any] = {"state": entry.get("state") or "NOT LOADED"}
             if entry.get("reason"):
                 m["state_reason"] = entry["reason"]
+            if entry.get("versions"):
+                m["versions"] = entry["versions"]
             if name in seen:
                 m.update(seen[name])
             elif m["state"] == "READY":
@@ -311,6 +338,17 @@ def _ensemble_rows(m: dict, models: dict, name: str) -> list[tuple[str, str]]:
     return rows
 
 
+def _versions_line(versions: list[dict], instances: int | None) -> str:
+    text = ", ".join(f"{v['version']} {v['state'] or 'listed'}" + (f" ({v['reason']})" if v["reason"] and
+                                                                     v["state"] != "READY" else "")
+                     for v in versions)
+    ready = sum(v["state"] == "READY" for v in versions)
+    if ready > 1:
+        each = f"{instances} instance(s) each, {ready * instances} in all" if instances else "the count applies to each"
+        text += f": {each} (the version policy loads several; traffic picks its version)"
+    return text
+
+
 def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) -> list[str]:
     """One aligned block per model (`models`: every model's block, for an ensemble's steps)."""
     ens = m.get("ensemble_steps") is not None
@@ -324,7 +362,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                  + (f" from {m['target_ensemble']}" if m.get("target_ensemble") else "")
                  + f", {m.get('min_instances')}-{m.get('max_instances')} instances)")
     if m.get("state_reason") and m.get("state") != "READY":
-        head += f": {m['state_reason']}"
+        head += f": {load_error_text(m['state_reason'])}"
     rows: list[tuple[str, str]] = []
     if m.get("error"):
         rows.append(("error", m["error"]))
@@ -335,6 +373,8 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
         rows.append(("model", m["knobs"]))
     if m.get("target_from"):    # an ensemble's target passed to this step (controller/ensemble.py)
         rows.append(("target", m["target_from"]))
+    if m.get("versions"):       # several versions loaded: each runs the instance count shown
+        rows.append(("versions", _versions_line(m["versions"], m.get("instances"))))
     if m.get("per_device"):     # instances per device, for a model on several (controller/groups.py)
         rows.append(("devices", ", ".join(f"{d} {n}" for d, n in m["per_device"].items())))
     o = m.get("obs")

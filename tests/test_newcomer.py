@@ -413,3 +413,25 @@ def test_under_serve_with_no_traffic_status_says_how_to_send_some():
     assert "load --model ens --rate 50" in format_text(ens)
     only_step = dict(doc, models={"a_step": dict(idle), "ens": dict(idle, ensemble_steps=["a_step"], state="LOADING")})
     assert "load --model a_step --rate 50" in format_text(only_step)
+
+
+def test_a_model_of_several_versions_is_ready_where_one_is_and_status_names_each():
+    from controller.status import by_name
+    index = [{"name": "m", "version": "1", "state": "READY", "reason": ""},
+             {"name": "m", "version": "2", "state": "READY", "reason": ""},
+             {"name": "m", "version": "3", "state": "UNAVAILABLE",
+              "reason": "Internal: RuntimeError: v3 is broken\n\nAt:\n  /r/m/3/model.py(9): initialize\n"},
+             {"name": "other"}]
+    states = by_name(index)
+    assert states["m"]["state"] == "READY" and "versions" not in states["other"]        # the last entry said UNAVAILABLE
+    assert [v["state"] for v in states["m"]["versions"]] == ["READY", "READY", "UNAVAILABLE"]
+    m = {"state": "READY", "instances": 2, "delay_us": 0, "versions": states["m"]["versions"]}
+    line = [ln.split(None, 1)[1] for ln in format_model("m", m) if ln.strip().startswith("versions")]
+    assert line == ["1 READY, 2 READY, 3 UNAVAILABLE (Internal: RuntimeError: v3 is broken (at "
+                    "/r/m/3/model.py(9): initialize)): 2 instance(s) each, 4 in all (the version policy loads several; "
+                    "traffic picks its version)"], line
+    failing = by_name([{"name": "m", "version": "1", "state": "UNAVAILABLE", "reason": "a\nb"},
+                       {"name": "m", "version": "2", "state": "UNLOADING", "reason": ""}])["m"]
+    assert failing["state"] == "UNLOADING"                                 # none READY: the last one's state
+    assert "READY:" not in format_model("m", {"state": "UNLOADING", "versions": failing["versions"]})[1]
+    assert by_name([{"name": "m", "version": "1", "state": "READY"}])["m"].get("versions") is None   # one: no line
