@@ -53,6 +53,12 @@ FATAL_SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.", re.M)
 # a server still alive this long after that line is wedged: the handler hangs (see ServerSupervisor)
 WEDGED_AFTER_S = 5.0
 LOG_READ_BYTES = 1 << 20     # the most of the log the watch reads in one poll
+# a live server whose gRPC health check has gone unanswered this long is hung (see ServerSupervisor): measured here,
+# the check answers in about 2 ms while a model loads for 25 s and under open-loop load; Kubernetes' default liveness
+# probe gives up after 3 x 10 s
+DEAF_AFTER_S = 60.0
+PROBE_EVERY_S = 5.0          # one gRPC ServerLive this often, each given PROBE_TIMEOUT_S
+PROBE_TIMEOUT_S = 5.0
 # why: the repository index's states of a model the server runs: a full reload keeps it READY, an unload makes it
 # UNLOADING, then UNAVAILABLE (checked on 2.51)
 LIVE_STATES = ("READY", "LOADING")
@@ -919,6 +925,14 @@ class ServerSupervisor:
     line is there and the process is still alive `wedged_after_s` later (a handler that works prints its backtrace
     and ends the process within a second), the process group is killed and restarted like any dead server.
 
+    A server can also hang without that line (a deadlock). So, like a Kubernetes liveness probe, the watch asks the
+    live process's gRPC endpoint whether it is live every `probe_every_s` (`probe`; default a gRPC ServerLive with a
+    PROBE_TIMEOUT_S deadline): where no check has been answered for `deaf_after_s` (DEAF_AFTER_S; counted from the
+    process's start or its last answer, so one slow answer is no failure), the group is killed and restarted, its
+    death named "did not answer ... (hung; killed)". gRPC, because the hang seen here left HTTP's health answering
+    while every gRPC call timed out. The check answers in about 2 ms while a model loads (25 s, measured) and under
+    load, so a load or a busy server is not read as a hang. `deaf_after_s=None` turns it off.
+
     The watch runs in a thread that lives until `stop` is set, and the restarted process is spawned from it: Linux's
     parent-death signal (spawn_dying_with_parent) follows the *thread* that spawned, so the server must not be
     spawned from a thread that ends sooner. `lock` is held through a restart: the owner sets `stop` (which ends a
@@ -929,7 +943,9 @@ class ServerSupervisor:
                  configs: Callable[[], Mapping[str, dict]] | None = None, budget: RestartBudget | None = None,
                  say: Callable[[str], None] | None = None, on_restart: Callable[[list[dict]], None] | None = None,
                  poll_s: float = 0.5, snapshot_s: float = 1.0, configs_every_s: float = 5.0,
-                 wedged_after_s: float = WEDGED_AFTER_S, clock: Callable[[], float] = time.monotonic):
+                 wedged_after_s: float = WEDGED_AFTER_S, deaf_after_s: float | None = DEAF_AFTER_S,
+                 probe_every_s: float = PROBE_EVERY_S, probe: Callable[[], bool] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.server = server
         self.stop = stop
         self.budget = budget if budget is not None else RestartBudget()
@@ -951,6 +967,13 @@ class ServerSupervisor:
         self._log_pos = 0
         self._fatal: tuple[int, float] | None = None   # the signal its handler reported, and when that was read
         self._wedged: str | None = None     # why the watch killed it: the exit words of the death that follows
+        self._deaf_after_s = deaf_after_s
+        self._probe_every_s = probe_every_s
+        self._probe = probe or self._grpc_live
+        self._grpc = None                   # the default probe's client (one channel, reconnecting across restarts)
+        self._probed_pid: int | None = None
+        self._answered_at = 0.0             # the running process's start or its last answer to the probe
+        self._next_probe = 0.0
         self._thread: threading.Thread | None = None
 
     def _restarted(self) -> None:
@@ -1025,6 +1048,7 @@ class ServerSupervisor:
                     continue
                 if p.poll() is None:
                     self._end_if_wedged(p)
+                    self._end_if_deaf(p)
                     continue
                 kept = self.server.keep_log(repoint=False)
                 ended, self._wedged = self._wedged or exit_words(p.returncode), None
@@ -1066,6 +1090,38 @@ class ServerSupervisor:
             name = ""
         self._wedged = (f"received signal {signum}{name} and was still running {self._wedged_after_s:g} s later "
                         "(its crash handler hangs; killed)")
+        log.warning("tritonserver (pid %d) %s", p.pid, self._wedged)
+        self.server.kill_group()
+
+    def _grpc_live(self) -> bool:
+        """The default probe: does the server's gRPC endpoint answer ServerLive within PROBE_TIMEOUT_S."""
+        try:
+            if self._grpc is None:
+                import tritonclient.grpc as grpcclient
+                self._grpc = grpcclient.InferenceServerClient(self.server.grpc_url)
+            self._grpc.is_server_live(client_timeout=PROBE_TIMEOUT_S)
+            return True
+        except Exception:  # noqa: BLE001 - any failure to answer (deadline, refused, reset) is no answer
+            return False
+
+    def _end_if_deaf(self, p) -> None:
+        """Kill a live server that has answered no health check for `deaf_after_s` (see the class doc)."""
+        if self._deaf_after_s is None or self.stop.is_set() or self._wedged is not None:
+            return
+        now = self._clock()
+        if p.pid != self._probed_pid:       # a new process: its silence counts from its start
+            self._probed_pid, self._answered_at, self._next_probe = p.pid, now, now
+        if now < self._next_probe:
+            return
+        self._next_probe = now + self._probe_every_s
+        if self._probe():
+            self._answered_at = self._clock()
+            return
+        silent_s = self._clock() - self._answered_at
+        if silent_s < self._deaf_after_s or p.poll() is not None or self.stop.is_set():
+            return
+        took = f"{silent_s:.0f}" if silent_s >= 10 else f"{silent_s:.1f}"
+        self._wedged = f"was running but answered no gRPC health check for {took} s (hung; killed)"
         log.warning("tritonserver (pid %d) %s", p.pid, self._wedged)
         self.server.kill_group()
 

@@ -226,11 +226,14 @@ def test_ports_and_probes_agree_between_containers_service_and_monitor():
     assert CONFIG.server.http_url == f"127.0.0.1:{server_ports['http']}"
     assert CONFIG.server.grpc_url == f"127.0.0.1:{server_ports['grpc']}"
     assert CONFIG.loop.metrics_port == sidecar_ports["tuner-metrics"] and CONFIG.loop.metrics_address == "0.0.0.0"
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         get = SERVER[probe]["httpGet"]
         assert get["path"] in TRITON_PROBES and get["port"] == "http", probe
-    assert SERVER["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert SERVER["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    # liveness over gRPC (grpc.health.v1, which Triton answers): the hang seen here left HTTP's health answering
+    live = SERVER["livenessProbe"]
+    assert live["grpc"]["port"] == server_ports["grpc"] and "httpGet" not in live
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60 and live["timeoutSeconds"] >= 5
     startup = SERVER["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300       # model loading: minutes
     assert SIDECAR["livenessProbe"]["httpGet"]["port"] in sidecar_ports

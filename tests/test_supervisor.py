@@ -587,3 +587,82 @@ def test_a_real_restart_stuck_in_a_load_ends_when_the_owner_stops(tmp_path):
     finally:
         stop.set()
         server.stop()
+
+
+def test_a_server_that_answers_no_health_check_for_deaf_after_s_is_killed_and_started_again():
+    """The liveness probe (a stand-in for gRPC ServerLive): a server alive but silent for `deaf_after_s` is killed
+    and restarted, its death named as such. Silence is counted from the last answer, so a probe that fails now and
+    then never kills; a new process's silence counts from its own start."""
+    answers = {"live": True, "flaky": False, "n": 0}
+
+    def probe() -> bool:
+        answers["n"] += 1
+        return answers["live"] and not (answers["flaky"] and answers["n"] % 2)
+
+    server, stop, said = _Server(), threading.Event(), []
+    sup = ServerSupervisor(server, stop, budget=RestartBudget(3, backoff_s=0.01), say=said.append, poll_s=0.01,
+                           deaf_after_s=0.4, probe_every_s=0.05, probe=probe).start()
+    try:
+        answers["flaky"] = True                       # every other check unanswered: 0.05 s silences, no kill
+        time.sleep(1.0)
+        assert not server.killed and answers["n"] >= 10
+        answers["live"] = False
+        t0 = time.monotonic()
+        _wait_for(lambda: server.killed)
+        assert 0.3 <= time.monotonic() - t0 < 3
+        first = server.process.pid
+        server.die(-9)
+        _wait_for(lambda: sup.restarts and sup.restarts[-1].get("ok"))
+        words = sup.restarts[0]["exit"]
+        assert words.startswith("was running but answered no gRPC health check for 0.") and \
+            words.endswith(" s (hung; killed)"), sup.restarts
+        assert said[0].startswith("tritonserver was running but answered no gRPC health check for "), said
+        server.killed = False
+        answers["live"] = True                        # the new process answers: never killed
+        time.sleep(0.8)
+        assert server.process.pid != first and not server.killed and len(sup.restarts) == 1
+    finally:
+        stop.set()
+        sup._thread.join(5)
+
+
+def test_a_real_tritonserver_that_stops_answering_is_killed_and_started_again_and_a_long_load_is_no_hang(tmp_path):
+    """Against a real tritonserver with a 2-s liveness limit: a model whose load takes 6 s (its initialize sleeps)
+    loads without the server being killed (the gRPC health check answers during a load: measured ~2 ms); then the
+    server stopped (SIGSTOP: alive, answering nothing, and no crash line in its log, unlike the wedge above) is
+    killed and started again, and its models serve."""
+    flag = tmp_path / "slow"
+    _flagged_model(tmp_path, "sleepy", flag, "time.sleep(6)")
+    shutil.copytree(ROOT / "model_repository" / "sim_accel", tmp_path / "sim_accel",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    server = start_server(["sim_accel"], repository=tmp_path)
+    stop, said, sup = threading.Event(), [], None
+    try:
+        sup = ServerSupervisor(server, stop, budget=RestartBudget(3), say=said.append, poll_s=0.05,
+                               deaf_after_s=2.0, probe_every_s=0.25).start()
+        _wait_for(lambda: sup.running is not None)
+        flag.touch()
+        t0 = time.monotonic()
+        server.load_model("sleepy")
+        assert time.monotonic() - t0 >= 6
+        assert not said and not sup.restarts                          # a long load is no hang
+        _wait_for(lambda: "sleepy" in (sup.running or {}))
+        flag.unlink()                                                 # the restart's own load of it is quick
+        pid = server.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        _wait_for(lambda: sup.restarts and sup.restarts[-1].get("ok"), timeout_s=90)
+        rec = sup.restarts[0]
+        assert rec["ok"] and rec["pid"] != pid, rec
+        assert rec["exit"].startswith("was running but answered no gRPC health check for "), rec
+        assert not process_alive(pid)
+        assert set(server.live_models()) == {"sim_accel", "sleepy"}
+        status, _ = server._http("POST", "/v2/models/sim_accel/infer", {"inputs": [
+            {"name": "INPUT", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
+        assert status == 200
+        time.sleep(2.5)                                               # the new process answers: no second kill
+        assert len(sup.restarts) == 1 and server.process.poll() is None
+    finally:
+        stop.set()
+        if sup is not None:
+            sup._thread.join(30)
+        server.stop()
