@@ -414,16 +414,25 @@ def test_a_real_wedged_tritonserver_is_killed_and_started_again(tmp_path):
         assert rec["exit"].startswith("received signal 6 (SIGABRT) and was still running 1 s later"), rec
         assert "corrupted double-linked list (not small) | Signal (6) received." in said[0], said
         assert not process_alive(pid)
-        status, _ = server._http("POST", "/v2/models/sim_accel/infer", {"inputs": [
-            {"name": "INPUT", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
-        assert status == 200
-        time.sleep(1.5)                                   # the old line is the old process's: no second kill
-        assert len(sup.restarts) == 1 and server.process.poll() is None
+        _serves_and_stays(server, sup, 1.5)               # the old line is the old process's: no second kill
     finally:
-        stop.set()
-        if sup is not None:
-            sup._thread.join(30)
-        server.stop()
+        _end(server, sup, stop)
+
+
+def _serves_and_stays(server, sup, wait_s: float) -> None:
+    """sim_accel answers an inference on the restarted server, which is still the one restart `wait_s` later."""
+    status, _ = server._http("POST", "/v2/models/sim_accel/infer", {"inputs": [
+        {"name": "INPUT", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
+    assert status == 200
+    time.sleep(wait_s)
+    assert len(sup.restarts) == 1 and server.process.poll() is None
+
+
+def _end(server, sup, stop) -> None:
+    stop.set()
+    if sup is not None:
+        sup._thread.join(30)
+    server.stop()
 
 
 def test_ended_takes_the_lock_at_once_without_a_restart():
@@ -656,13 +665,6 @@ def test_a_real_tritonserver_that_stops_answering_is_killed_and_started_again_an
         assert rec["exit"].startswith("was running but answered no gRPC health check for "), rec
         assert not process_alive(pid)
         assert set(server.live_models()) == {"sim_accel", "sleepy"}
-        status, _ = server._http("POST", "/v2/models/sim_accel/infer", {"inputs": [
-            {"name": "INPUT", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
-        assert status == 200
-        time.sleep(2.5)                                               # the new process answers: no second kill
-        assert len(sup.restarts) == 1 and server.process.poll() is None
+        _serves_and_stays(server, sup, 2.5)                           # the new process answers: no second kill
     finally:
-        stop.set()
-        if sup is not None:
-            sup._thread.join(30)
-        server.stop()
+        _end(server, sup, stop)
