@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository (default: the shipped one)")
     sw.add_argument("--instances", type=_bounded_list(int, 1, 64), default=[1, 2, 4, 6], help="instance counts (default 1,2,4,6)")
     sw.add_argument("--delays-us", type=_bounded_list(int, 0, 1_000_000), default=[0, 2000], help="max_queue_delay_us values (default 0,2000)")
-    sw.add_argument("--rates", type=_bounded_list(float, 0.1, 400.0), help="offered loads in req/s (default 50,150,300, or from --scenario)")
+    sw.add_argument("--rates", type=_bounded_list(float, 0.1, 100_000.0),
+                    help="offered loads in req/s (default 50,150,300, or from --scenario); a cell the client could not "
+                         "send on time is named after the table")
     sw.add_argument("--scenario", type=Path, help="take the load levels from this trace's phases")
     sw.add_argument("--seconds", type=_bounded(float, 0.5, 600.0), default=6.0, help="measured seconds per cell (default 6)")
     sw.add_argument("--warmup-s", type=_bounded(float, 0.0, 60.0), default=1.0, help="unmeasured warm-up per cell (default 1)")
@@ -136,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     so = sub.add_parser("soak", help="apply N reloads (alternately in place and full) under open-loop load; count lost requests")
     so.add_argument("--reloads", type=_bounded(int, 1, 100_000), required=True, help="reloads to apply")
     so.add_argument("--out", type=Path, required=True, help="output folder for soak.json")
-    so.add_argument("--rate-rps", type=_bounded(float, 0.1, 400.0), default=50.0, help="offered load in req/s (default 50)")
+    so.add_argument("--rate-rps", type=_bounded(float, 0.1, 100_000.0), default=50.0,
+                    help="offered load in req/s (default 50)")
     so.add_argument("--model", default="sim_accel", help="model to reload (default sim_accel, the SIMULATED accelerator)")
     so.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository for the own server")
     so.add_argument("--url", help="HTTP host:port of a running server (loopback only; default: start one)")
@@ -580,8 +583,6 @@ def cmd_sweep(args) -> int:
         except TraceError as e:
             raise UsageError(f"scenario: {e}") from None
     rates = args.rates or [50.0, 150.0, 300.0]
-    if max(rates) > 400:
-        raise UsageError(f"--rates: the load generator sustains about 400 req/s here; got {max(rates):g}")
     from .evaluation.inputs import InputSpecError
     inputs = _input_spec(args)
     try:

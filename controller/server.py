@@ -1102,6 +1102,14 @@ class ServerSupervisor:
             self._grpc.is_server_live(client_timeout=PROBE_TIMEOUT_S)
             return True
         except Exception:  # noqa: BLE001 - any failure to answer (deadline, refused, reset) is no answer
+            # why a new channel at the next check: a gRPC channel whose connection failed waits ever longer before it
+            # tries again (backoff up to 120 s), so a server back after a restart could go unasked past deaf_after_s
+            client, self._grpc = self._grpc, None
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001
+                    pass
             return False
 
     def _end_if_deaf(self, p) -> None:

@@ -163,7 +163,10 @@ def run(minutes: float, rates: dict[str, float], work: Path, log=print) -> dict:
     out = {"minutes": minutes, "rates_rps": rates, "ensemble_target_ms": target,
            "serve_command": f"-m controller serve --repository {REPOSITORY.relative_to(ROOT)} "
                             "--config scripts/scenarios/mixed.yaml (+ observation_log)",
-           "serve_exit": serve.exit_code, "models": {}, "reloads": {}}
+           "serve_exit": serve.exit_code, "models": {}, "reloads": {},
+           # why: a request that failed because the server died and was started again is told apart from one refused
+           "serve_notices": [ln for ln in serve.tail().splitlines() if "starting it again" in ln or "killed" in ln
+                             or "started again" in ln]}
     for model, load in loads.items():
         recs = load.records
         failed = [r for r in recs if not r.ok]

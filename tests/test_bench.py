@@ -305,7 +305,7 @@ def test_ratios_and_targets():
 # ----------------------------------------------------------------------------- CLI input errors
 @pytest.mark.parametrize("argv, needle", [
     (["sweep", "--instances", "0,2"], "--instances"),
-    (["sweep", "--rates", "50,900"], "--rates"),
+    (["sweep", "--rates", "50,200000"], "--rates"),
     (["sweep", "--delays-us", "0,0"], "duplicate"),
     (["bench", "--scenario", "/nonexistent.yaml"], "no such file"),
     (["bench", "--scenario", "x.yaml", "--arms", "default,magic"], "--arms"),
@@ -384,6 +384,7 @@ def test_sweep_end_to_end(tmp_path, capsys):
         assert c["failed"] == 0 and c["requests"] > 60          # ~120 scheduled in 2 s
         assert c["met_sla"] and c["p99_ms"] < 40                # 60 req/s is light for either config
         assert c["goodput_rps"] == pytest.approx(c["offered_rps"], rel=0.02)
+        assert c["client_lag_p99_ms"] is not None and c["client_lag_p99_ms"] >= 0     # the client's own lateness
     assert doc["best_per_level"][0]["instance_count"] == 1      # fewest instances meeting the SLA
     assert (out / "sweep.png").stat().st_size > 10_000
     captured = capsys.readouterr()
@@ -418,6 +419,7 @@ def test_bench_end_to_end_tiny_scenario(tmp_path, capsys):
         assert a["failed_requests"] == 0, (name, a["errors"])
         assert set(a["p99_ms_by_phase"]) == {"low", "high"}
         assert a["requests"] == s["requests"]                   # the same schedule for every arm
+        assert a["client_lag_p99_ms"] is not None and a["client_lag_p99_ms"] >= 0
     assert s["arms"]["default"]["instance_seconds"] == pytest.approx(8.0)
     assert s["arms"]["best_static"]["instance_seconds"] == pytest.approx(16.0)
     oracle = s["arms"]["oracle"]
@@ -530,3 +532,36 @@ def test_scale_up_lag_behind_the_oracle_docstring_example():
     assert scale_up_lags(late, [{"t": 0.0, "instances": 2}], 180.0) == []    # the oracle never scales up
     failed = late[:1] + [{"t": 30.0, "instances": 2, "ok": False}] + late[1:]
     assert scale_up_lags(failed, oracle, 180.0)[0]["lag_s"] == 21.0          # a failed change does not count
+
+
+def test_a_sweep_cell_the_client_sent_late_is_named_after_the_table():
+    """No cap on the rates a sweep asks for (a GPU's model runs thousands a second): instead each cell records the
+    client's send lag, and a cell where that is a large part of the p99 is named (it measured the client)."""
+    doc = sweep_document("m", [cell(1, 0, 50, 50.0), cell(1, 0, 900, 800.0, p99=30.0)], sla_ms=40, seconds=4,
+                         warmup_s=1, seed=0)
+    doc["cells"][0]["client_lag_p99_ms"], doc["cells"][1]["client_lag_p99_ms"] = 1.2, 12.0
+    text = format_table(doc)
+    assert "warning: in 1 cell(s) the client fell behind its schedule" in text, text
+    assert "  1 inst, 0 us, 900 req/s: send lag p99 12.0 ms of a p99 of 30.0 ms" in text
+    doc["cells"][1]["client_lag_p99_ms"] = 3.0                        # under 5 ms: the server's latency
+    assert "warning" not in format_table(doc)
+    del doc["cells"][1]["client_lag_p99_ms"]                          # a sweep from before: no lag recorded
+    assert "warning" not in format_table(doc)
+
+
+@pytest.mark.parametrize("lag,p99,bound", [(12.0, 30.0, True), (1.6, 31.0, False), (6.0, 40.0, False),
+                                           (4.9, 10.0, False), (None, 30.0, False), (12.0, None, False)])
+def test_client_bound_is_a_lag_over_5_ms_and_a_quarter_of_the_p99(lag, p99, bound):
+    from controller.evaluation.loadgen import client_bound
+    assert client_bound(lag, p99) is bound
+
+
+def test_the_bench_names_an_arm_whose_client_fell_behind():
+    from controller.evaluation.bench import format_summary
+    arm = {"goodput_rps": 100.0, "p99_ms": 30.0, "p99_ms_by_phase": {"a": 30.0}, "failed_requests": 0,
+           "instance_seconds": 10.0, "mean_instances": 1.0, "reloads": 0, "full_reloads": 0, "client_lag_p99_ms": 1.0}
+    summary = {"arms": {"default": arm, "best_static": dict(arm, client_lag_p99_ms=14.0)}, "ratios": {},
+               "reaction_s": [], "first_good_config_s": None, "controller_cpu_pct": None, "targets": {}}
+    text = format_summary(summary)
+    assert "warning: arm best_static: the client sent up to 14.0 ms (p99) behind its schedule" in text, text
+    assert "arm default:" not in text

@@ -20,7 +20,8 @@ def test_the_mixed_repository_serves_under_load_without_failures_or_refused_relo
         doc = mixed_repo.run(0.75, {"ens": 120.0, "bls": 25.0, "plain": 30.0}, Path(tmp), log=lambda _: None)
     assert doc["serve_exit"] == 0
     for model, m in doc["models"].items():
-        assert m["requests"] > 0.75 * 60 * m["rate_rps"] * 0.8 and m["failed"] == 0, (model, m["errors"])
+        assert m["requests"] > 0.75 * 60 * m["rate_rps"] * 0.8 and m["failed"] == 0, \
+            (model, m["errors"], doc["serve_notices"])
     assert doc["failed_reloads"] == 0, doc["reloads"]
     assert not doc["reloads"]["ens"]["applied"] and doc["reloads"]["ens"]["hold_reasons"] == ["HoldEnsemble"]
     assert doc["reloads"].get("ens_step"), "the ensemble's step is managed"

@@ -48,7 +48,7 @@ from ..types import Settings
 from .arm import REQUEST_TIMEOUT_S, ArmSpec, ControllerSpec, controller_run_s, log as _log, settings_dict
 from .arm import run_arm as run_shared_arm
 from .inputs import InputSpec, InputSpecError, describe, make_spec
-from .loadgen import Phase, Trace, load_trace, poisson_schedule, summarize
+from .loadgen import Phase, Trace, client_bound, load_trace, poisson_schedule, send_lag_p99_ms, summarize
 
 ARMS = ("default", "best_static", "oracle", "adaptive")
 MA_ARM = "model_analyzer"                  # the fifth arm, run only when a model_analyzer.json is given
@@ -596,6 +596,7 @@ def arm_summary(arm: str, run: dict, trace: Trace, sla_ms: float) -> tuple[dict,
         "server_restarts": len(run["extra"].get("server_restarts") or []),   # the server died and was started again
         "errors": s.totals.errors,
         "p99_ms": _p99_all(run["records"]),
+        "client_lag_p99_ms": send_lag_p99_ms(run["records"]),    # the load generator's own lateness (loadgen)
         "p99_ms_by_phase": {p.name: p.p99_ms for p in s.phases},
         "goodput_rps_by_phase": {p.name: p.goodput_rps for p in s.phases},
         "instance_seconds": instance_seconds([(e["t"], e["instances"]) for e in events if e.get("ok", True)],
@@ -695,6 +696,11 @@ def format_summary(summary: dict) -> str:
             f"at {x['at_s']:g} s to {x['oracle_instances']} inst: {_f(x['lag_s'], '{:.0f}') if x['lag_s'] is not None else 'never'}"
             for x in summary["scale_up_lag_s"]) or "the oracle never scales up"))
     lines.extend(server_exec_lines(summary["arms"], w))
+    for name, a in summary["arms"].items():
+        if client_bound(a.get("client_lag_p99_ms"), a.get("p99_ms")):
+            lines.append(f"warning: arm {name}: the client sent up to {a['client_lag_p99_ms']:.1f} ms (p99) behind "
+                         f"its schedule, a large part of its p99 of {a['p99_ms']:.1f} ms: its latencies are partly the "
+                         "load generator's (run the bench where a core is free, or lower the scenario's rates)")
     lines.append(f"first_good_config_s: {_f(summary['first_good_config_s'], '{:.0f}')}, "
                  f"controller_cpu_pct: {_f(summary['controller_cpu_pct'], '{:.2f}')}")
     if summary.get("model_analyzer"):
@@ -783,8 +789,6 @@ def bench(opts: BenchOptions) -> dict:
         trace = load_trace(opts.scenario)
     except TraceError as e:
         raise BenchError(f"scenario: {e}") from None
-    if trace.peak_rps > 400:
-        _log(f"warning: the scenario peaks at {trace.peak_rps:g} req/s; the load generator sustains about 400 here")
     opts.out.mkdir(parents=True, exist_ok=True)
     need_sweep = any(a in ("best_static", "oracle") for a in opts.arms)
     sweep_path = opts.sweep

@@ -39,10 +39,6 @@ from .inputs import InputSpec, InputSpecError, variable_notes
 
 # why a cap: every request's record is kept for the summary (about 150 bytes each); 1 M is 83 min at 200 req/s
 MAX_REQUESTS = 1_000_000
-# the client's p99 send lag above which, and above this share of the p99 latency, the summary says that the client
-# set much of the latency
-LAG_WARN_MS = 5.0
-LAG_SHARE = 0.25
 
 
 class LoadError(Exception):
@@ -198,8 +194,7 @@ def summarize(records: list[loadgen.RequestRecord], trace: loadgen.Trace, elapse
     sent = [r for r in records if r.error != loadgen.ERROR_NOT_SENT]
     span_s = max(1e-9, min(elapsed_s, trace.duration_s))
     doc = _counts(sent, span_s, sla_ms)
-    lag_ms = np.array([1e3 * (r.sent_s - r.scheduled_s) for r in sent if r.sent_s is not None])
-    doc["send_lag_p99_ms"] = float(np.percentile(lag_ms, 99)) if lag_ms.size else None
+    doc["send_lag_p99_ms"] = loadgen.send_lag_p99_ms(sent)
     doc["seconds"] = span_s
     phases = []
     for p in trace.phases:
@@ -250,7 +245,7 @@ def format_summary(doc: dict, model: str, where: str, sla_ms: float | None) -> s
     lag = doc["send_lag_p99_ms"]
     if lag is not None:
         note = f"  client: its sends fell up to {lag:.1f} ms (p99) behind schedule (counted in the latencies above)"
-        if lag > LAG_WARN_MS and doc["p99_ms"] is not None and lag >= LAG_SHARE * doc["p99_ms"]:
+        if loadgen.client_bound(lag, doc["p99_ms"]):
             note += ("; that is a large part of the p99, set by the client, not the server: lower the rate, or run "
                      "the client where a core is free")
         lines.append(note)

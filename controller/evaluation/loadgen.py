@@ -56,6 +56,7 @@ __all__ = [
     "poisson_schedule",
     "RequestRecord", "InputFactory", "require_loopback", "run_open_loop", "run_open_loop_sync", "gc_frozen",
     "make_resnet_tiny_inputs", "make_inputs_from_config", "inputs_from_config", "live_config",
+    "send_lag_p99_ms", "client_bound", "LAG_WARN_MS", "LAG_SHARE",
     "BinStats", "PhaseStats", "Totals", "LoadSummary", "summarize",
     "ERROR_TIMEOUT", "ERROR_CLIENT_OVERLOADED",
 ]
@@ -766,6 +767,24 @@ def live_config(http_url: str, model: str, *, headers: Mapping[str, str] | None 
 # ---------------------------------------------------------------------------------------------
 # Summaries
 # ---------------------------------------------------------------------------------------------
+# the client's p99 send lag above which, and above this share of the p99 latency, the client set much of the latency
+# (not the server): every latency counts from the scheduled time, so a client that falls behind adds its own delay
+LAG_WARN_MS = 5.0
+LAG_SHARE = 0.25
+
+
+def send_lag_p99_ms(records: Sequence[RequestRecord]) -> float | None:
+    """p99 of how far each sent request went out behind its schedule, in ms (None: none sent)."""
+    lag_ms = np.array([1e3 * (r.sent_s - r.scheduled_s) for r in records if r.sent_s is not None])
+    return float(np.percentile(lag_ms, 99)) if lag_ms.size else None
+
+
+def client_bound(lag_ms: float | None, p99_ms: float | None) -> bool:
+    """True where the client's send lag is a large part of the p99 (LAG_WARN_MS, LAG_SHARE): the load generator,
+    not the server, set the latency. Example: lag 12 ms against a p99 of 30 ms -> True; 1.6 against 31 -> False."""
+    return lag_ms is not None and p99_ms is not None and lag_ms > LAG_WARN_MS and lag_ms >= LAG_SHARE * p99_ms
+
+
 @dataclasses.dataclass(frozen=True)
 class BinStats:
     """Requests *scheduled* in [start_s, end_s) and what became of them (rates per second of bin)."""

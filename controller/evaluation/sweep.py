@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .inputs import InputSpec, describe, variable_notes
-from .loadgen import Trace, inputs_from_config, live_config, load_trace, poisson_schedule, run_open_loop_sync
+from .loadgen import (Trace, client_bound, inputs_from_config, live_config, load_trace, poisson_schedule,
+                      run_open_loop_sync, send_lag_p99_ms)
 from ..sweep_schema import Cell, cells_of, sweep_document
 from ..types import Settings
 
@@ -129,12 +130,14 @@ class Progress:
 
 
 def measure_cell(url: str, model: str, make_inputs, settings: Settings, rate_rps: float, *, seconds: float,
-                 warmup_s: float, sla_ms: float, seed: int, timeout_s: float = 10.0) -> Cell:
-    """Open-loop Poisson load at `rate_rps` for warm-up + measured window, measured as one Cell."""
+                 warmup_s: float, sla_ms: float, seed: int, timeout_s: float = 10.0) -> tuple[Cell, float | None]:
+    """Open-loop Poisson load at `rate_rps` for warm-up + measured window, measured as one Cell, and the client's
+    p99 send lag over the measured window (ms: how far behind its schedule the load generator sent)."""
     trace = load_trace({"phases": [{"name": "cell", "duration_s": warmup_s + seconds, "rate_rps": rate_rps}]})
     schedule = poisson_schedule(trace, seed, SCHEDULE_MAX_REQUESTS)
     records = run_open_loop_sync(url, model, schedule, make_inputs, protocol="grpc", timeout_s=timeout_s)
-    return cell_from_records(records, settings, rate_rps, warmup_s, seconds, sla_ms)
+    lag_ms = send_lag_p99_ms([r for r in records if r.scheduled_s >= warmup_s])
+    return cell_from_records(records, settings, rate_rps, warmup_s, seconds, sla_ms), lag_ms
 
 
 def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], rates_rps: Sequence[float], *,
@@ -152,6 +155,7 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
                             models=[model], repository=repository or DEFAULT_REPOSITORY)
     configs = [Settings(i, d) for d in delays_us for i in instances]      # delay-major: few full reloads
     cells: list[Cell] = []
+    lags: list[float | None] = []
     t0 = time.monotonic()
     with TritonServer(options) as server:
         control = TritonControl(server.grpc_url, server.http_url)
@@ -170,9 +174,10 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
                 for k, rate in enumerate(rates_rps):
                     label = f"{settings.instance_count} inst, {settings.max_queue_delay_us} us, {rate:g} req/s"
                     progress.show(label)
-                    cell = measure_cell(server.grpc_url, model, make_inputs, settings, rate, seconds=seconds,
-                                        warmup_s=warmup_s, sla_ms=sla_ms, seed=seed + k)
+                    cell, lag_ms = measure_cell(server.grpc_url, model, make_inputs, settings, rate, seconds=seconds,
+                                                warmup_s=warmup_s, sla_ms=sla_ms, seed=seed + k)
                     cells.append(cell)
+                    lags.append(lag_ms)
                     if on_cell:
                         on_cell(cell)
                     progress.step(label)
@@ -182,6 +187,8 @@ def run_sweep(model: str, instances: Sequence[int], delays_us: Sequence[int], ra
     doc = sweep_document(model, cells, sla_ms=sla_ms, seconds=seconds, warmup_s=warmup_s, seed=seed,
                          elapsed_s=time.monotonic() - t0)
     doc["inputs"] = describe(inputs)
+    for c, lag_ms in zip(doc["cells"], lags):
+        c["client_lag_p99_ms"] = None if lag_ms is None else round(lag_ms, 2)
     return doc
 
 
@@ -276,7 +283,23 @@ def format_table(doc: dict) -> str:
         lines.append(f"  {b['arrival_rps']:>6g} req/s -> {b['instance_count']} inst, {b['max_queue_delay_us']} us "
                      f"(goodput {b['goodput_rps']:.1f}/s, p99 {_ms(b['p99_ms'])} ms){'' if b['met_sla'] else '  NONE MEETS THE SLA'}")
     lines.extend(_delay_lines(delay_effect(cells)))
+    lines.extend(client_bound_lines(doc))
     return "\n".join(lines)
+
+
+def client_bound_lines(doc: dict) -> list[str]:
+    """A warning per cell whose latencies the load generator set (its send lag a large part of the p99): such a
+    cell measured the client, not the server (a rate this machine's client cannot send on time)."""
+    bound = [c for c in doc.get("cells", []) if client_bound(c.get("client_lag_p99_ms"), c.get("p99_ms"))]
+    if not bound:
+        return []
+    lines = [f"warning: in {len(bound)} cell(s) the client fell behind its schedule by a large part of the p99 "
+             "(their latencies are partly the load generator's; run the sweep where a core is free, or lower "
+             "the rate):"]
+    for c in bound:
+        lines.append(f"  {c['instance_count']} inst, {c['max_queue_delay_us']} us, {c['arrival_rps']:g} req/s: "
+                     f"send lag p99 {c['client_lag_p99_ms']:.1f} ms of a p99 of {c['p99_ms']:.1f} ms")
+    return lines
 
 
 def plot_sweep(doc: dict, path: str | Path) -> None:
