@@ -137,6 +137,15 @@ def test_a_batch_stacks_entries_in_turn_and_refuses_shapes_that_do_not_stack():
     spec = InputSpec(data=({"TOKENS": [1, 2]}, {"TOKENS": [3, 4]}, {"TOKENS": [5, 6]}))
     sets = input_sets(TOKENS, spec, batch_size=2)
     assert [s["TOKENS"].tolist() for s in sets] == [[[1, 2], [3, 4]], [[5, 6], [1, 2]], [[3, 4], [5, 6]]]
+    two = input_sets(TOKENS, InputSpec(data=({"TOKENS": [1]}, {"TOKENS": [2]})), batch_size=2)
+    assert [s["TOKENS"].tolist() for s in two] == [[[1], [2]]]       # every request alike: one set held
+    import controller.evaluation.inputs as inputs_mod
+    big = InputSpec(data=tuple({"TOKENS": list(range(1000))} for _ in range(3)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inputs_mod, "MAX_SETS_BYTES", 3 * 4 * 8000 - 1)
+        with pytest.raises(InputSpecError, match="3 distinct requests of 4 entries would hold about 0 MiB"):
+            input_sets(TOKENS, big, batch_size=4)
+    assert len(input_sets(TOKENS, big, batch_size=4)) == 3
     with pytest.raises(InputSpecError, match="--batch-size 2 a request stacks entries in turn"):
         input_sets(TOKENS, InputSpec(data=({"TOKENS": [1, 2]}, {"TOKENS": [3]})), batch_size=2)
 

@@ -40,6 +40,7 @@ __all__ = ["InputSpec", "InputSpecError", "parse_shape", "read_input_data", "inp
            "describe", "make_spec", "TRITON_TO_NUMPY"]
 
 MAX_DATA_BYTES = 256 * 1024 * 1024     # an --input-data file larger than this is refused (it is held in memory)
+MAX_SETS_BYTES = 1024 * 1024 * 1024    # the most the stacked requests of --batch-size may hold
 
 TRITON_TO_NUMPY: dict[str, type] = {
     "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
@@ -272,8 +273,16 @@ def input_sets(config: Mapping[str, Any], spec: InputSpec | None = None, *, seed
         entries.append(arrays)
     if not batched:
         return entries
+    # why: the distinct requests repeat every N / gcd(N, B) (request k stacks entries kB .. kB+B-1 mod N), and each is
+    # held ready to send, B entries' worth: cap what that holds
+    n_sets = len(entries) // math.gcd(len(entries), batch_size)
+    held = n_sets * batch_size * max(sum(a.nbytes for a in e.values()) for e in entries)
+    if held > MAX_SETS_BYTES:
+        raise InputSpecError(f"{spec.source}: {n_sets} distinct requests of {batch_size} entries would hold about "
+                             f"{held / 2**20:.0f} MiB (at most {MAX_SETS_BYTES // 2**20} MiB): use fewer entries or a "
+                             "smaller --batch-size")
     sets = []
-    for k in range(len(entries)):
+    for k in range(n_sets):
         items = [entries[(k * batch_size + j) % len(entries)] for j in range(batch_size)]
         if any(item.keys() != items[0].keys() or any(item[n].shape != items[0][n].shape for n in item)
                for item in items[1:]):
