@@ -929,9 +929,10 @@ class ServerSupervisor:
     live process's gRPC endpoint whether it is live every `probe_every_s` (`probe`; default a gRPC ServerLive with a
     PROBE_TIMEOUT_S deadline): where no check has been answered for `deaf_after_s` (DEAF_AFTER_S; counted from the
     process's start or its last answer, so one slow answer is no failure), the group is killed and restarted, its
-    death named "did not answer ... (hung; killed)". gRPC, because the hang seen here left HTTP's health answering
-    while every gRPC call timed out. The check answers in about 2 ms while a model loads (25 s, measured) and under
-    load, so a load or a busy server is not read as a hang. `deaf_after_s=None` turns it off.
+    death named "was running but answered no gRPC health check for N s (hung; killed)". gRPC, because the hang seen
+    here left HTTP's health answering while every gRPC call timed out. The check answers in about 2 ms while a model
+    loads (25 s, measured) and under load, so a load or a busy server is not read as a hang. `deaf_after_s=None`
+    turns it off.
 
     The watch runs in a thread that lives until `stop` is set, and the restarted process is spawned from it: Linux's
     parent-death signal (spawn_dying_with_parent) follows the *thread* that spawned, so the server must not be
