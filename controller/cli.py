@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--batch-size", type=_bounded(int, 1, 1_000_000), default=1, metavar="N",
                     help="items per request, where the model batches (default 1)")
     ld.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
-    for verb in (ld, sw, b):
+    for verb in (ld, sw, b, so):
         _add_input_args(verb)
     return p
 
@@ -637,7 +637,8 @@ def cmd_soak(args) -> int:
     from .evaluation.soak import SoakError, SoakOptions, run_soak, summary_line
     opts = SoakOptions(reloads=args.reloads, out=args.out, rate_rps=args.rate_rps, model=args.model,
                        repository=args.repository, url=args.url, grpc_url=args.grpc_url, metrics_url=args.metrics_url,
-                       auth_header=args.auth_header, gap_s=args.gap_s, seed=args.seed, protocols=args.protocols)
+                       auth_header=args.auth_header, gap_s=args.gap_s, seed=args.seed, protocols=args.protocols,
+                       inputs=_input_spec(args))
     if not args.url and (args.grpc_url or args.metrics_url or args.auth_header):
         raise UsageError("--grpc-url, --metrics-url and --auth-header need --url")
     try:

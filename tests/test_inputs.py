@@ -341,3 +341,11 @@ def test_the_benchs_arms_send_the_data_and_a_sweep_of_other_inputs_is_named(tmp_
     assert f"warning: the sweep {sweep} sent inputs {{'random': True}}, the bench sends {{'random': False" in err
     rows = _seen(repo / "tokens" / "seen.jsonl")
     assert len(rows) > 40 and all(row["tokens"] == [[5, 6, 7, 8, 9]] for row in rows)   # two arms of ~40
+
+
+@pytest.mark.slow
+def test_soak_takes_the_same_options_and_refuses_a_shape_its_model_does_not_take(tmp_path, capsys):
+    rc = main(["soak", "--reloads", "1", "--out", str(tmp_path / "soak"), "--shape", "INPUT:8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--shape: input 'INPUT' takes dims [16]; got [8]" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..actuation import Actuator, TritonControl, has_dynamic_batching, settings_of
+from .inputs import InputSpec, InputSpecError
 from .loadgen import inputs_from_config, load_trace, poisson_schedule, require_loopback, run_open_loop
 from ..server import DEFAULT_REPOSITORY, ServerError, ServerOptions, TritonServer, free_port
 from ..signals import Scraper
@@ -65,6 +66,7 @@ class SoakOptions:
     seed: int = 0
     request_timeout_s: float = 10.0
     protocols: tuple[str, ...] = ("grpc", "http")   # clients of each at once; the offered rate is split evenly
+    inputs: InputSpec | None = None        # --shape / --input-data (default: random values, variable dims 1)
 
 
 # ---- counters -------------------------------------------------------------------------------------
@@ -241,8 +243,12 @@ def _soak(opts: SoakOptions, http: str, grpc: str, metrics: str, headers: dict, 
 
         sample()
         per_rate = opts.rate_rps / len(opts.protocols)
-        loads = [LoadThread(grpc if p == "grpc" else http, opts.model, inputs_from_config(live_cfg, opts.seed), per_rate,
-                            opts.seed + 7919 * k, opts.request_timeout_s, protocol=p) for k, p in enumerate(opts.protocols)]
+        try:
+            make_inputs = inputs_from_config(live_cfg, opts.seed, spec=opts.inputs)
+        except InputSpecError as e:
+            raise SoakError(str(e)) from None
+        loads = [LoadThread(grpc if p == "grpc" else http, opts.model, make_inputs, per_rate, opts.seed + 7919 * k,
+                            opts.request_timeout_s, protocol=p) for k, p in enumerate(opts.protocols)]
         t_start = time.monotonic()
         for load in loads:
             load.start()
