@@ -263,8 +263,10 @@ def test_load_sends_the_data_files_entries_in_turn(tokens_server, tmp_path):
     data = _data(tmp_path, [{"TOKENS": [101, 7, 102]},
                             {"TOKENS": {"content": [101, 8, 9, 102], "shape": [4]}, "MASK": [1, 1, 1, 0]}])
     _seen(seen)
-    r = _load(server, "--rate", "30", "--input-data", str(data))
+    r = _load(server, "--rate", "30", "--input-data", str(data), "--json", str(tmp_path / "load.json"))
     assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((tmp_path / "load.json").read_text())
+    assert summary["inputs"] == {"random": False, "data": str(data), "entries": 2} and summary["batch_size"] == 1
     assert f"(2 distinct, from {data} in turn)" in r.stdout.splitlines()[0]
     rows = _seen(seen)
     n = int(r.stdout.splitlines()[0].split()[1])

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import loadgen
-from .inputs import InputSpec, InputSpecError, variable_notes
+from .inputs import InputSpec, InputSpecError, describe, variable_notes
 
 # why a cap: every request's record is kept for the summary (about 150 bytes each); 1 M is 83 min at 200 req/s
 MAX_REQUESTS = 1_000_000
@@ -341,7 +341,8 @@ def _run_load(opts: LoadOptions, trace: loadgen.Trace, out: Callable[[str], None
     elapsed_s = asyncio.run(main())
     span_s = stopped["at"] if stopped["at"] is not None else elapsed_s
     doc = summarize(live.records, trace, span_s, opts.sla_ms)
-    doc.update(model=opts.model, url=url, protocol=opts.protocol, stopped_at_s=stopped["at"])
+    doc.update(model=opts.model, url=url, protocol=opts.protocol, stopped_at_s=stopped["at"],
+               inputs=describe(opts.inputs), batch_size=opts.batch_size)
     out(format_summary(doc, opts.model, f"{url} ({opts.protocol})", opts.sla_ms))
     if opts.json_out is not None:
         try:
