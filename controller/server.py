@@ -971,7 +971,7 @@ class ServerSupervisor:
         self._deaf_after_s = deaf_after_s
         self._probe_every_s = probe_every_s
         self._probe = probe or self._grpc_live
-        self._grpc = None                   # the default probe's client (one channel, reconnecting across restarts)
+        self._grpc = None                   # the default probe's client (made again after a check that failed)
         self._probed_pid: int | None = None
         self._answered_at = 0.0             # the running process's start or its last answer to the probe
         self._next_probe = 0.0
@@ -1089,9 +1089,13 @@ class ServerSupervisor:
             name = f" ({signal.Signals(signum).name})"
         except ValueError:
             name = ""
-        self._wedged = (f"received signal {signum}{name} and was still running {self._wedged_after_s:g} s later "
-                        "(its crash handler hangs; killed)")
-        log.warning("tritonserver (pid %d) %s", p.pid, self._wedged)
+        self._kill_hung(p, f"received signal {signum}{name} and was still running {self._wedged_after_s:g} s later "
+                           "(its crash handler hangs; killed)")
+
+    def _kill_hung(self, p, why: str) -> None:
+        """Kill the group of a live server that no longer serves; `why` becomes the exit words of its death."""
+        self._wedged = why
+        log.warning("tritonserver (pid %d) %s", p.pid, why)
         self.server.kill_group()
 
     def _grpc_live(self) -> bool:
@@ -1130,9 +1134,7 @@ class ServerSupervisor:
         if silent_s < self._deaf_after_s or p.poll() is not None or self.stop.is_set():
             return
         took = f"{silent_s:.0f}" if silent_s >= 10 else f"{silent_s:.1f}"
-        self._wedged = f"was running but answered no gRPC health check for {took} s (hung; killed)"
-        log.warning("tritonserver (pid %d) %s", p.pid, self._wedged)
-        self.server.kill_group()
+        self._kill_hung(p, f"was running but answered no gRPC health check for {took} s (hung; killed)")
 
     def _after_death(self, why: str, ended: str, kept: Path | None) -> None:
         wait = self.budget.next_wait(self._clock())

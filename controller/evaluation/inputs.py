@@ -62,13 +62,10 @@ class InputSpec:
     data: tuple[Mapping[str, Any], ...] | None = None
     source: str = "--input-data"          # names the file in messages
 
-    def describe(self) -> dict:
-        """What a sweep.json records of its requests' inputs (the bench compares it with its own)."""
-        return describe(self)
-
 
 def describe(spec: InputSpec | None) -> dict:
-    """{"random": true} plus any --shape dims, and the data file and its entry count where one was given."""
+    """What a sweep.json (and load's --json) records of the requests' inputs, the bench comparing its own: {"random":
+    true} plus any --shape dims, and the data file and its entry count where one was given."""
     if spec is None:
         return {"random": True}
     doc: dict = {"random": spec.data is None}
