@@ -704,7 +704,8 @@ def capacity_rps(settings: Settings, model: ServiceModel, max_batch: int, correc
 MARGIN = 0.9                 # a configuration is chosen when its predicted p99 stays under 0.9 x the target
 CONSOLIDATE_MARGIN = 0.8     # ... and a smaller one replaces the live one only under 0.8 x the target ...
 CONSOLIDATE_TICKS = 3        # ... on this many decisions in a row (and carrying any rise from a lull in the
-                             # forecast's look-back: `choose`'s `past_rise`)
+                             # forecast's look-back: `choose`'s `past_rise`) ...
+CONSOLIDATE_HEADROOM = 1.25  # ... or under MARGIN x the target at this many times the forecast's high end
 NO_GAIN = 1.05               # ... or when the instances it drops buy nothing: its p99 within 5% of the live one's
 CORRECTION_BOUNDS = (0.67, 1.5)  # observed/predicted p99 is applied within these bounds ...
 DISAGREE = 0.5               # ... and when its median is off by more than 50%, the model is not trusted
@@ -860,14 +861,28 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     the forecast's upper band; a smaller configuration only after CONSOLIDATE_TICKS checks in a row, and,
     where the load rose from a lull in the forecast's look-back, only as far as that rise allows (`past_rise`).
 
-    A smaller configuration qualifies when it is predicted under CONSOLIDATE_MARGIN x the target, or when
-    the instances it drops buy nothing at this load: its p99, predicted with the live configuration's
-    correction, is within NO_GAIN of the live one's (and under MARGIN x the target, unless nothing is). The
-    second rule is for targets close to the model's own latency: with a 9 ms target on a model whose lone
-    request takes 7.5 ms, 0.8 x 9 = 7.2 ms is out of reach at any load, yet at 0 req/s a second instance is
-    pure waste; with an 8 ms target not even 0.9 x 8 = 7.2 ms is, and the same holds.
-    (A configuration's own remembered ratio is not used there: it was measured at another load, and at
-    this one both configurations run the same lone requests.)
+    A smaller configuration qualifies by one of three rules:
+
+    * *margin*: it is predicted under CONSOLIDATE_MARGIN x the target at the forecast's high end;
+    * *room*: it is predicted under MARGIN x the target (the margin the choice keeps) at CONSOLIDATE_HEADROOM x
+      the forecast's high end: a quarter more load than that. For a p99 that hardly grows with the load, near
+      the target, where a margin on the latency says nothing about the load a configuration can take. An
+      unseen model's bench (r52: ~9 ms a request, host work then a device of 3 slots, a 25-ms target): one
+      instance's p99 is predicted 20-22 ms from 80 req/s to 150 (mostly a request waiting behind another's
+      execution), never under 0.8 x 25 = 20 ms above ~30 req/s, so the lull of its day (80 req/s for 30 s)
+      kept the second instance throughout: instance-seconds 1.01 of the best static configuration's, where
+      the oracle, one instance in the lull (22.5 ms measured), needed 0.77. With the rule (r53) one instance
+      was predicted 22.2 ms at 1.25 x 98 = 122 req/s, under 22.5, and took the lull 11 s into it: 0.93, the
+      same goodput. A configuration chosen so is not scaled straight back up: the choice asks the same margin
+      at the high end itself, 25% less load. Where the p99 rises steeply (a busy instance), the rule is the
+      stricter one: shift's afternoon (one sim_accel instance ~97% busy at 220 req/s) does not hold 275;
+    * *buys nothing*: the instances it drops buy nothing at this load: its p99, predicted with the live
+      configuration's correction, is within NO_GAIN of the live one's (and under MARGIN x the target, unless
+      nothing is). For targets close to the model's own latency: with a 9 ms target on a model whose lone
+      request takes 7.5 ms, 0.8 x 9 = 7.2 ms is out of reach at any load, yet at 0 req/s a second instance is
+      pure waste; with an 8 ms target not even 0.9 x 8 = 7.2 ms is, and the same holds. (A configuration's own
+      remembered ratio is not used there: it was measured at another load, and at this one both configurations
+      run the same lone requests.)
 
     Worked example (s(b) = 6 + 1.5 b measured at 1 instance, gamma 0.1, target 40 ms, max batch 32):
     the forecast says 220-260 req/s within the next reload + tick. At 260 req/s one instance at
@@ -919,16 +934,24 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             cache[s] = predict(s, hi, model, mb, own, limit, device)
         return cache[s]
 
-    def fewest(under_ms: float, longest_us: int | None = None) -> Candidate | None:
-        """The fewest instances, then the shortest delay (up to `longest_us`), predicted under `under_ms`.
+    def at_headroom(s: Settings) -> Candidate | None:
+        """`s` predicted at CONSOLIDATE_HEADROOM x the forecast's high end (for a scale-down, see the doc)."""
+        own = factor if s == live else config_correction(state, s, factor, now)
+        return predict(s, hi * CONSOLIDATE_HEADROOM, model, mb, own, limit, device)
+
+    def fewest(under_ms: float, longest_us: int | None = None,
+               at: Callable[[Settings], Candidate | None] | None = None) -> Candidate | None:
+        """The fewest instances, then the shortest delay (up to `longest_us`), predicted under `under_ms` (by
+        `at`: at the forecast's high end unless given).
 
         A longer delay is taken over its count's shortest only for a clear predicted gain (DELAY_MIN_GAIN); one
         passed over for that is still taken where the count above would need a longer delay too and is predicted
         no faster. Why: the skip sent host_heavy's planner from 3 x 8000us (43.2 ms, against 3 x 0us at 45.4) to
         4 x 8000us (44.6 ms): a full reload as well, one instance more, and slower by the same model."""
+        at = at or at_hi
         passed: Candidate | None = None      # the first longer delay that met `under_ms` without a clear gain
         for n in range(min_instances, max(ceiling, min_instances) + 1):
-            shortest = at_hi(Settings(n, delays[0]))
+            shortest = at(Settings(n, delays[0]))
             # why: at a stable shortest delay far over the limit no delay rescues this count (a delay moves
             # p99 by the batching it adds, a fraction of it); skipping those saves most of the simulations
             hopeless = shortest is not None and math.isfinite(shortest.p99_ms) and shortest.p99_ms > 2 * under_ms
@@ -937,7 +960,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
                     break
                 if not reloadable(Settings(n, d)):
                     continue
-                c = at_hi(Settings(n, d))
+                c = at(Settings(n, d))
                 if c is None or c.p99_ms > under_ms:
                     continue
                 # why: a longer delay costs a full reload and adds latency when the load falls; it is chosen
@@ -1087,9 +1110,13 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         # instance slower (1x2000us 45 ms vs 1x0us 35 ms at 220 req/s). A delay is raised by the scale-up path
         # (the ceiling reached, the device the limit), where the alternative is missing the target.
         strict = fewest(CONSOLIDATE_MARGIN * target_ms, longest_us=live.max_queue_delay_us)
-        # (only fewer instances than `strict` could win the choice below, so only those are simulated)
-        free = buys_nothing(live_c, live.instance_count if strict is None else strict.settings.instance_count)
-        options = [c for c in (strict, free) if c is not None]
+        # or the fewest that keep the usual margin with room for more load (see the doc: a p99 that hardly grows
+        # with the load, near the target, never gets under the stricter margin)
+        roomy = fewest(limit, longest_us=live.max_queue_delay_us, at=at_headroom)
+        # (only fewer instances than these could win the choice below, so only those are simulated)
+        free = buys_nothing(live_c, min([live.instance_count] + [c.settings.instance_count for c in (strict, roomy)
+                                                                 if c is not None]))
+        options = [c for c in (strict, roomy, free) if c is not None]
         if options:
             chosen = min(options, key=lambda c: (c.settings.instance_count, c.settings.max_queue_delay_us))
         smaller = bool(options) and (chosen.settings.instance_count < live.instance_count or (
@@ -1097,7 +1124,10 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
             and chosen.settings.max_queue_delay_us < live.max_queue_delay_us))
         if not smaller:
             return Plan(None, "HoldPredictedOk", where, usable=True, chosen=chosen, state=keep, **common)
-        return consolidate(chosen, "buys nothing" if chosen is free else f"under {CONSOLIDATE_MARGIN:g}x the target")
+        why = ("buys nothing" if chosen is free else f"under {CONSOLIDATE_MARGIN:g}x the target" if chosen is strict
+               else f"under {MARGIN:g}x the target at {CONSOLIDATE_HEADROOM:g}x the forecast's high end "
+                    f"({hi * CONSOLIDATE_HEADROOM:.0f} req/s)")
+        return consolidate(chosen, why)
     if chosen is None and live_c is not None:
         # why: where nothing meets the target, instances that buy nothing still go. At 0 req/s under a target
         # below 1/0.9 of the model's lone-request latency (or a correction that puts it there), every count runs
