@@ -251,6 +251,24 @@ def _install_signal_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be: the same clean stop, exit 143."""
+
+
+def _terminate_as_interrupt():
+    """SIGTERM (a CI job's timeout, `kill`, a Kubernetes Job ended) stops sweep, bench, soak and load as Ctrl-C does:
+    their servers stopped, their work folders removed. Python's default for SIGTERM ends the process at once, and
+    left a tritonserver's work folder (its traces, the backend copy) behind in /tmp. Returns the handler it
+    replaced (None where none could be set: main() called off the main thread)."""
+    def handler(signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # why: a second SIGTERM ends it at once
+        raise Terminated()
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None
+
+
 def _with_overrides(cfg: ControllerConfig, args) -> ControllerConfig:
     loop = cfg.loop
     if getattr(args, "dry_run", False):
@@ -369,6 +387,7 @@ def cmd_serve(args) -> int:
                 cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
                     cfg.loop, decision_log=str(runstate.serve_dir(os.getpid(), folder) / "decisions.jsonl")))
             controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0)
+            controller.repository = Path(server.options.repository)
             premarked = controller.first_load_configs(server.options.repository, served)
         server.start(premarked)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: HTTP {server.http_url}, gRPC {server.grpc_url}, "
@@ -703,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     verbs = {"serve": cmd_serve, "run": cmd_run, "status": cmd_status, "sweep": cmd_sweep, "bench": cmd_bench,
              "soak": cmd_soak, "load": cmd_load}
+    # why not serve and run: they stop on their own handlers (a stop event)
+    previous = _terminate_as_interrupt() if args.verb not in ("serve", "run") else None
     try:
         return verbs[args.verb](args)
     except UsageError as e:
@@ -717,5 +738,10 @@ def main(argv: list[str] | None = None) -> int:
     except RunStateError as e:          # run without --config: no such serve, or several (pass --pid)
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, SeveralRunning) else 1
+    except Terminated:
+        return 143
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

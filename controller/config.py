@@ -9,6 +9,7 @@ Every default lives in the dataclasses below (this is the one place). A YAML fil
       control_protocol: grpc          # grpc | http  (HTTP loads block HTTP inference workers)
       auth_header: admin-key          # optional: Triton's restricted repository API
       auth_key_env: TRITON_ADMIN_KEY  # the environment variable holding its value
+      repository: /models             # optional: the server's model repository, if readable here (see loop.py)
     controller:
       interval_s: 2
       window_s: 20
@@ -100,6 +101,7 @@ class ServerConfig:
     auth_header: str | None = None
     auth_key_env: str = "TRITON_ADMIN_KEY"
     timeout_s: float = 10.0
+    repository: str | None = None   # the server's model repository, where this machine can read it (serve sets it)
 
     def auth_headers(self) -> dict[str, str]:
         """The repository-API header, read from the environment; {} when none is configured."""

@@ -46,6 +46,7 @@ from .signals import ModelCounters, Scraper, StatsCounters
 from .sweep_schema import cells_of, load_sweep
 from .telemetry import ControllerMetrics
 from .traces import TraceApi
+from .server import version_change
 from .types import Decision, GpuObservation, Observation, Settings
 
 log = logging.getLogger("controller.loop")
@@ -177,6 +178,9 @@ class Controller:
             traces = TraceFeed(api, samples_per_s=config.loop.trace_samples_per_s, path_override=config.loop.trace_file)
         self.traces = traces
         self.models: dict[str, ManagedModel] = {}
+        # the server's model repository where this machine reads it (serve's; `server.repository` for run): a reload
+        # that would change which versions serve is held (_versions_moved)
+        self.repository: Path | None = Path(s.repository) if s.repository else None
         self._stop = threading.Event()
         self._simulating = False
         self._gpu_failing = False
@@ -721,8 +725,38 @@ class Controller:
         log.warning("%s: requests keep failing (%s); repairing: a full reload of the same settings", mm.name, decision.detail)
         self._submit(mm, decision, obs, now, full=True, repair=True)
 
+    def _versions_moved(self, mm: ManagedModel) -> str | None:
+        """Why no reload of `mm` may go now: the repository (where this controller can read it: serve's, or
+        `server.repository`) holds versions that its live config's version policy would load, or lacks ones that
+        serve, so a reload would deploy or drop a version (server.version_change); None where not (or unknown)."""
+        if self.repository is None or mm.live_config is None:
+            return None
+        try:
+            live = {int(e["version"]) for e in self._index()
+                    if e.get("name") == mm.name and e.get("state") == "READY" and str(e.get("version", "")).isdigit()}
+        except Exception:  # noqa: BLE001 - the index unread: the reload's own errors say what is wrong
+            return None
+        if not live:
+            return None
+        load, unload = version_change(self.repository / mm.name, mm.live_config, live)
+        if not load and not unload:
+            return None
+        serving = ", ".join(map(str, sorted(live)))
+        parts = ([f"would load version(s) {', '.join(map(str, load))} of the repository"] if load else []) + \
+                ([f"would unload version(s) {', '.join(map(str, unload))}"] if unload else [])
+        return (f"version(s) {serving} serve, and a reload now {' and '.join(parts)} (the version policy re-reads "
+                f"the repository): the controller changes instances and delay, never versions, so it waits until "
+                f"they are loaded as the operator wants them (the repository API's load of {mm.name})")
+
     def _submit(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float, full: bool,
                 claim: bool = False, repair: bool = False) -> None:
+        moved = self._versions_moved(mm)
+        if moved is not None:
+            if mm.last_decision is None or mm.last_decision.reason != "HoldVersionsMoved":
+                log.warning("%s: not reloading (%s wanted): %s", mm.name, decision.reason, moved)
+            self._record(mm, Decision(mm.current, "HoldVersionsMoved", detail=f"wanted {decision.reason}: {moved}"),
+                         obs, now, "hold")
+            return
         actuator = self._actuators.get(mm.name)
         if actuator is None:
             actuator = self._actuators[mm.name] = Actuator(self._new_control(), ready_timeout_s=self.config.loop.reload_timeout_s,

@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = PACKAGE_ROOT / "model_repository"
@@ -348,6 +348,33 @@ def missing_python_file(folder: Path, config: dict | None = None) -> str | None:
     filename = filename or "model.py"
     lacking = [v for v in _policy_versions(versions, policy) if not (v / filename).is_file()]
     return str(lacking[0] / filename) if lacking else None
+
+
+def version_change(folder: Path, config: Mapping[str, Any] | None, live: set[int]) -> tuple[list[int], list[int]]:
+    """What a load of the model in `folder` with `config` (its live config: the version policy a reload keeps) would
+    change in the versions that serve, `live`: (the versions it would load, those it would unload), sorted; ([], [])
+    where it would change none, or where the folder cannot be read. Why: a reload re-reads the repository. With
+    the default policy (the newest version), a version folder dropped in after the last load is loaded by the next
+    reload, and the old one unloaded: measured on 2.51, an instance-count change of version 1 made version 2 READY
+    and version 1 UNLOADING. So the controller, whose reloads change instances and delay and nothing else, would
+    deploy a version its operator had not loaded yet (or one still being copied)."""
+    try:
+        versions = sorted((v for v in Path(folder).iterdir() if v.is_dir() and v.name.isdigit()),
+                          key=lambda v: int(v.name))
+    except OSError:
+        return [], []
+    policy = (config or {}).get("version_policy")
+    wanted = {int(v.name) for v in _policy_versions(versions, policy if isinstance(policy, dict) else {})}
+    return sorted(wanted - live), sorted(live - wanted)
+
+
+def _dangling(path: str) -> str:
+    """": it is a symbolic link to X, which does not exist" where `path` is such a link (a model folder copied with its
+    relative links, e.g. `cp -r` of a folder whose model.py links to a shared file); else ""."""
+    try:
+        return f": it is a symbolic link to {os.readlink(path)}, which does not exist" if os.path.islink(path) else ""
+    except OSError:
+        return ""
 
 
 def repository_models(repository: Path) -> list[str]:
@@ -710,8 +737,8 @@ class TritonServer:
     def load_model(self, name: str, config: dict | None = None) -> None:
         missing = missing_python_file(Path(self.options.repository) / name, config)
         if missing is not None:
-            raise ModelFileMissing(f"model '{name}' failed to load: {missing} not found (a Python model's file; "
-                                   "Triton's Python backend would wait for it without an answer)")
+            raise ModelFileMissing(f"model '{name}' failed to load: {missing} not found{_dangling(missing)} (a Python "
+                                   "model's file; Triton's Python backend would wait for it without an answer)")
         body = None if config is None else {"parameters": {"config": json.dumps(config)}}
         done = threading.Event()
         threading.Thread(target=self._end_a_dead_load, args=(done,), daemon=True, name="load-watch").start()
@@ -793,26 +820,30 @@ class TritonServer:
         """SIGTERM the server (it shuts its stub processes down), then kill the group if needed; the work dir goes
         (unless kept)."""
         p = self.process
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            first = min(SLOW_STOP_S, timeout_s)
-            try:
-                p.wait(timeout=first)
-            except subprocess.TimeoutExpired:
-                # why: Triton waits up to its exit timeout (--exit-timeout-secs, 30 s by default) for its models
-                # to unload, and 2.51 waits all of it after a failed reload (the failed version stays "live"):
-                # said, so that a slow stop does not read as a hang
-                if timeout_s > first:
-                    log.info("waiting up to %.0f s more for tritonserver (pid %d) to unload its models and exit",
-                             timeout_s - first, p.pid)
+        try:
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                first = min(SLOW_STOP_S, timeout_s)
                 try:
-                    p.wait(timeout=timeout_s - first)
+                    p.wait(timeout=first)
                 except subprocess.TimeoutExpired:
-                    log.warning("tritonserver (pid %d) did not exit within %.0f s of SIGTERM; killing it",
-                                p.pid, timeout_s)
-        self._halt()
-        if self._workdir is not None and not self.options.keep_workdir:
-            shutil.rmtree(self._workdir, ignore_errors=True)
+                    # why: Triton waits up to its exit timeout (--exit-timeout-secs, 30 s by default) for its models
+                    # to unload, and 2.51 waits all of it after a failed reload (the failed version stays "live"):
+                    # said, so that a slow stop does not read as a hang
+                    if timeout_s > first:
+                        log.info("waiting up to %.0f s more for tritonserver (pid %d) to unload its models and exit",
+                                 timeout_s - first, p.pid)
+                    try:
+                        p.wait(timeout=timeout_s - first)
+                    except subprocess.TimeoutExpired:
+                        log.warning("tritonserver (pid %d) did not exit within %.0f s of SIGTERM; killing it",
+                                    p.pid, timeout_s)
+        finally:
+            # why finally: a Ctrl-C or SIGTERM (cli: KeyboardInterrupt) during the wait must not leave the server or
+            # its work dir behind; the interrupt goes on once they are gone
+            self._halt()
+            if self._workdir is not None and not self.options.keep_workdir:
+                shutil.rmtree(self._workdir, ignore_errors=True)
 
     def kill_group(self) -> None:
         """SIGKILL the server's process group (its stubs with it), from any thread; the owner of the process still

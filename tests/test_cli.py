@@ -139,3 +139,37 @@ def test_a_taken_controller_metrics_port_is_one_line_naming_its_holder(server, t
     assert line == [f"error: cannot serve the controller's metrics on 127.0.0.1:{port}: Address already in use "
                     f"(by {comm} (pid {os.getpid()})) (choose another with --controller-metrics-port or "
                     "controller.metrics_port)"], r.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_sweep_as_ctrl_c_does_leaving_nothing_behind(tmp_path):
+    """SIGTERM (a CI job's timeout, `kill`) to sweep: its server stopped, its work folder removed, exit 143; Python's
+    default had ended the process at once and left the folder (traces, backend copy) in /tmp."""
+    import os
+    import signal
+    import time
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "controller", "sweep", "--instances", "1", "--delays-us", "0",
+                             "--rates", "20", "--seconds", "120", "--warmup-s", "0", "--out", str(tmp_path / "out")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not any(
+                "successfully loaded" in log.read_text(errors="replace") for log in tmp.glob("triton-ctl-*/*.log")):
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(2)                                       # its one cell of 120 s under way
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert time.monotonic() - t0 < 30                       # not at the cell's end
+    assert "Traceback" not in err, err
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("triton-ctl-")]
+    assert not subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout
+    assert not (tmp_path / "out" / "sweep.json").exists()

@@ -55,7 +55,9 @@ def test_requests_of_several_items(sim_server):
     assert " 0 failed" in r.stdout
 
 
-def test_ctrl_c_stops_sending_waits_for_those_in_flight_and_summarises(sim_server):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_sending_waits_for_those_in_flight_and_summarises(sim_server, signum):
+    """Ctrl-C, or SIGTERM (a job's timeout, `kill`): no request cancelled (a cancelled gRPC call can crash 2.51)."""
     proc = subprocess.Popen([sys.executable, "-m", "controller", "load", "--model", "sim_accel", "--url",
                              _url(sim_server), "--rate", "50", "--seconds", "60", "--every", "0.5"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -64,7 +66,7 @@ def test_ctrl_c_stops_sending_waits_for_those_in_flight_and_summarises(sim_serve
         assert first.startswith("sending "), first + proc.stderr.read()
         assert " s  sent " in proc.stdout.readline()      # it sends
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         rest, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:

@@ -328,8 +328,11 @@ def test_a_python_model_without_its_file_is_found_before_its_load(tmp_path, capl
     assert time.monotonic() - t0 < 60
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), models=["nofile"],
                             repository=repo)
+    # a folder copied with its relative link (cp -r) holds a link to nothing: said so
+    (repo / "nofile" / "1" / "model.py").symlink_to("../../../elsewhere/model.py")
     with caplog.at_level(logging.WARNING, logger="controller.server"):
-        with pytest.raises(ServerError, match=r"model 'nofile' failed to load: .*nofile/1/model.py not found"):
+        with pytest.raises(ServerError, match=r"model 'nofile' failed to load: .*nofile/1/model.py not found: it is "
+                                              r"a symbolic link to (\.\./){3}elsewhere/model.py, which does not exist"):
             TritonServer(options).start({"nofile": {"name": "nofile", "backend": "python"}})    # serve's marked load
     assert "loading it from its file" not in caplog.text            # no second try: it could only fail the same
 

@@ -11,7 +11,7 @@ the numbers instead of hiding the server's queue (closed-loop tools such as perf
 wait for answers before sending more). Every `--every` seconds one line: the requests sent, the answers and
 failures that came back in those seconds and their p50/p99. At the end a summary, per phase where the trace has
 several, and how far the client's sends fell behind its schedule (where that is large, the client, not the
-server, set the latency). Ctrl-C stops sending, waits for the requests in flight, then summarises.
+server, set the latency). Ctrl-C (or SIGTERM) stops sending, waits for the requests in flight, then summarises.
 
 Inputs are random tensors built from the model's live config (every input; a variable dimension becomes 1 unless
 `--shape NAME:D1,...` sets it; batch 1 where the model batches, `--batch-size N` for more), the same tensors in
@@ -323,7 +323,8 @@ def _run_load(opts: LoadOptions, trace: loadgen.Trace, out: Callable[[str], None
         def on_sigint() -> None:
             stopped["at"] = live.stop_s = loop.time() - clock["t0"]
             stop.set()
-            loop.remove_signal_handler(signal.SIGINT)   # a second Ctrl-C quits at once
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)         # a second Ctrl-C (or SIGTERM) quits at once
             out(f"stopping at {stopped['at']:.1f} s: waiting for the requests in flight (Ctrl-C again quits now)")
 
         with _sigint(loop, on_sigint):
@@ -367,15 +368,20 @@ async def _report(live: Live, loop: asyncio.AbstractEventLoop, t0: float, every_
         k += 1
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _sigint:
-    """Ctrl-C sets the run's stop event instead of cancelling it (a cancelled gRPC call can crash Triton 2.51)."""
+    """Ctrl-C, or SIGTERM, sets the run's stop event instead of cancelling it (a cancelled gRPC call can crash
+    Triton 2.51, and the server may be a user's)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, handler: Callable[[], None]):
         self.loop, self.handler, self.installed = loop, handler, False
 
     def __enter__(self):
         try:
-            self.loop.add_signal_handler(signal.SIGINT, self.handler)
+            for sig in STOP_SIGNALS:
+                self.loop.add_signal_handler(sig, self.handler)
             self.installed = True
         except (RuntimeError, ValueError, NotImplementedError):   # not the main thread (tests)
             pass
@@ -383,7 +389,8 @@ class _sigint:
 
     def __exit__(self, *exc) -> None:
         if self.installed:
-            self.loop.remove_signal_handler(signal.SIGINT)
+            for sig in STOP_SIGNALS:
+                self.loop.remove_signal_handler(sig)
 
 
 def flush_print(text: str) -> None:
