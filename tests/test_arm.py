@@ -77,7 +77,8 @@ def fakes(monkeypatch, tmp_path):
     monkeypatch.setattr(controller.server, "TritonServer", FakeServer)
     monkeypatch.setattr(controller.actuation, "TritonControl", FakeControl)
     monkeypatch.setattr(controller.actuation, "Actuator", FakeActuator)
-    monkeypatch.setattr(arm_mod, "make_inputs_from_config", lambda url, model, spec=None: (lambda: {}))
+    monkeypatch.setattr(arm_mod, "live_config", lambda url, model: {"name": model, "max_batch_size": 0, "input": [
+        {"name": "X", "data_type": "TYPE_FP32", "dims": [1]}]})
     monkeypatch.setattr(arm_mod, "CONTROLLER_LEAD_S", 0.05)
     procs: list[subprocess.Popen] = []
 

@@ -341,8 +341,17 @@ def test_the_benchs_arms_send_the_data_and_a_sweep_of_other_inputs_is_named(tmp_
     assert rc == 0
     err = capsys.readouterr().err
     assert f"warning: the sweep {sweep} sent inputs {{'random': True}}, the bench sends {{'random': False" in err
+    assert "note:" not in err                               # the file's requests set every dim
     rows = _seen(repo / "tokens" / "seen.jsonl")
     assert len(rows) > 40 and all(row["tokens"] == [[5, 6, 7, 8, 9]] for row in rows)   # two arms of ~40
+    # a dim neither --shape nor the data sets is named by each arm, as the sweep and load name it
+    rc = main(["bench", "--repository", str(repo), "--model", "tokens", "--scenario", str(scenario), "--sweep",
+               str(sweep), "--arms", "default", "--sla-ms", "40", "--shape", "TOKENS:3", "--out", str(tmp_path / "b2")])
+    assert rc == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "arm default: note: tokens: input MASK has variable dims [-1]: sending [1]" in notes[0]
+    rows = _seen(repo / "tokens" / "seen.jsonl")
+    assert rows and all(np.shape(row["tokens"]) == (1, 3) and np.shape(row["mask"]) == (1, 1) for row in rows)
 
 
 @pytest.mark.slow

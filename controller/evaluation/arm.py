@@ -44,8 +44,8 @@ import numpy as np
 
 from ..decision_log import read_records
 from ..types import Settings
-from .inputs import InputSpec
-from .loadgen import RequestRecord, make_inputs_from_config, run_open_loop_sync
+from .inputs import InputSpec, variable_notes
+from .loadgen import RequestRecord, inputs_from_config, live_config, run_open_loop_sync
 
 CONTROLLER_LEAD_S = 2.0            # the controller process starts this long before the traffic
 CONTROLLER_STOP_S = 15.0           # SIGTERM, then SIGKILL after this long
@@ -261,8 +261,12 @@ def run_arm(spec: ArmSpec) -> ArmRun:
             supervisor = ServerSupervisor(server, watching, budget=RestartBudget(3), snapshot_s=STATS_EVERY_S,
                                           configs_every_s=STATS_EVERY_S,
                                           say=lambda text: log(f"arm {spec.name}: {text}")).start()
-            inputs = {name: make_inputs_from_config(server.http_url, name, spec=spec.inputs.get(name))
-                      for name in spec.models}
+            inputs = {}
+            for name in spec.models:
+                config = live_config(server.http_url, name)
+                inputs[name] = inputs_from_config(config, spec=spec.inputs.get(name))
+                for note in variable_notes(config, spec.inputs.get(name)):
+                    log(f"arm {spec.name}: note: {name}: {note}")
             run_doc = None
             if spec.controller is not None:
                 controller, run_doc, decision_log, observation_log = start_controller(
