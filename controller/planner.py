@@ -705,7 +705,8 @@ MARGIN = 0.9                 # a configuration is chosen when its predicted p99 
 CONSOLIDATE_MARGIN = 0.8     # ... and a smaller one replaces the live one only under 0.8 x the target ...
 CONSOLIDATE_TICKS = 3        # ... on this many decisions in a row (and carrying any rise from a lull in the
                              # forecast's look-back: `choose`'s `past_rise`) ...
-CONSOLIDATE_HEADROOM = 1.25  # ... or under MARGIN x the target at this many times the forecast's high end
+CONSOLIDATE_HEADROOM = 1.25  # ... or under MARGIN x the target at this many times the forecast's high end,
+RISING = 1.05                # ... unless the forecast's mid rises past this many times its level (a ramp under way)
 NO_GAIN = 1.05               # ... or when the instances it drops buy nothing: its p99 within 5% of the live one's
 CORRECTION_BOUNDS = (0.67, 1.5)  # observed/predicted p99 is applied within these bounds ...
 DISAGREE = 0.5               # ... and when its median is off by more than 50%, the model is not trusted
@@ -872,10 +873,14 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
       execution), never under 0.8 x 25 = 20 ms above ~30 req/s, so the lull of its day (80 req/s for 30 s)
       kept the second instance throughout: instance-seconds 1.01 of the best static configuration's, where
       the oracle, one instance in the lull (22.5 ms measured), needed 0.77. With the rule (r53) one instance
-      was predicted 22.2 ms at 1.25 x 98 = 122 req/s, under 22.5, and took the lull 11 s into it: 0.93, the
+      was predicted 22.2 ms at 1.25 x 98 = 122 req/s, under 22.5, and took the lull 13 s into it: 0.93, the
       same goodput. A configuration chosen so is not scaled straight back up: the choice asks the same margin
       at the high end itself, 25% less load. Where the p99 rises steeply (a busy instance), the rule is the
-      stricter one: shift's afternoon (one sim_accel instance ~97% busy at 220 req/s) does not hold 275;
+      stricter one: shift's afternoon (one sim_accel instance ~97% busy at 220 req/s) does not hold 275. Not
+      while the load rises (the forecast's mid over RISING x its level): where the p99 is that flat, 1.25 x the
+      load adds only ~1 ms to it, as much as the observed/predicted correction moves from one window to the
+      next, and on a ramp such a flip is paid at once. r55 (the same bench again): at 265 req/s on the ramp to
+      360, 3 -> 2 by this rule (correction 1.00), 2 -> 3 nine seconds later (correction 1.05);
     * *buys nothing*: the instances it drops buy nothing at this load: its p99, predicted with the live
       configuration's correction, is within NO_GAIN of the live one's (and under MARGIN x the target, unless
       nothing is). For targets close to the model's own latency: with a 9 ms target on a model whose lone
@@ -1112,7 +1117,9 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         strict = fewest(CONSOLIDATE_MARGIN * target_ms, longest_us=live.max_queue_delay_us)
         # or the fewest that keep the usual margin with room for more load (see the doc: a p99 that hardly grows
         # with the load, near the target, never gets under the stricter margin)
-        roomy = fewest(limit, longest_us=live.max_queue_delay_us, at=at_headroom)
+        f = inputs.forecast
+        rising = f is not None and f.ticks >= 3 and band[1] > RISING * f.level
+        roomy = None if rising else fewest(limit, longest_us=live.max_queue_delay_us, at=at_headroom)
         # (only fewer instances than these could win the choice below, so only those are simulated)
         free = buys_nothing(live_c, min([live.instance_count] + [c.settings.instance_count for c in (strict, roomy)
                                                                  if c is not None]))

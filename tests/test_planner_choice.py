@@ -1008,6 +1008,21 @@ def test_a_p99_flat_near_the_target_consolidates_by_its_room_for_more_load():
     assert busy.reason == "HoldPredictedOk" and busy.target is None, busy
     alone = run(S(1), 110.0, inp, PlannerState(), target=25.0, ceiling=4)
     assert alone.reason == "HoldPredictedOk" and alone.target is None, alone
+    # not while the load rises: 1.25 x the load adds ~1 ms to so flat a p99, as much as the correction moves from
+    # one window to the next (r55: 3 -> 2 on the ramp by this rule, 2 -> 3 nine seconds later)
+    def forecast(rates):
+        f = Forecast.start(0.0, rates[0])
+        for t, r in enumerate(rates[1:], start=1):
+            f = f.update(float(t), r)
+        return f
+    steady = dataclasses.replace(inp, forecast=forecast([80.0] * 6))
+    p = run(S(2), 80.0, steady, PlannerState(), target=25.0, ceiling=4)
+    assert p.reason == "HoldConsolidationPending" and "1.25x the forecast's high end" in p.detail, p
+    rising = dataclasses.replace(inp, forecast=forecast([50.0, 56.0, 62.0, 68.0, 74.0, 80.0]))
+    lo, mid, hi = rising.forecast.band(3.0)
+    assert mid > planner.RISING * rising.forecast.level and hi * planner.CONSOLIDATE_HEADROOM < 150.0
+    p = run(S(2), 80.0, rising, PlannerState(), target=25.0, ceiling=4)
+    assert p.reason == "HoldPredictedOk" and p.target is None, p
 
 
 @pytest.mark.parametrize("one_at_0us,expected", [
