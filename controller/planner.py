@@ -874,7 +874,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
       kept the second instance throughout: instance-seconds 1.01 of the best static configuration's, where
       the oracle, one instance in the lull (22.5 ms measured), needed 0.77. With the rule (r53) one instance
       was predicted 22.2 ms at 1.25 x 98 = 122 req/s, under 22.5, and took the lull 13 s into it: 0.93, the
-      same goodput. A configuration chosen so is not scaled straight back up: the choice asks the same margin
+      same goodput (r56, with the guard below: 0.79). A configuration chosen so is not scaled straight back up: the choice asks the same margin
       at the high end itself, 25% less load. Where the p99 rises steeply (a busy instance), the rule is the
       stricter one: shift's afternoon (one sim_accel instance ~97% busy at 220 req/s) does not hold 275. Not
       while the load rises (the forecast's mid over RISING x its level): where the p99 is that flat, 1.25 x the
