@@ -865,22 +865,22 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     A smaller configuration qualifies by one of three rules:
 
     * *margin*: it is predicted under CONSOLIDATE_MARGIN x the target at the forecast's high end;
-    * *room*: it is predicted under MARGIN x the target (the margin the choice keeps) at CONSOLIDATE_HEADROOM x
-      the forecast's high end: a quarter more load than that. For a p99 that hardly grows with the load, near
-      the target, where a margin on the latency says nothing about the load a configuration can take. An
-      unseen model's bench (r52: ~9 ms a request, host work then a device of 3 slots, a 25-ms target): one
-      instance's p99 is predicted 20-22 ms from 80 req/s to 150 (mostly a request waiting behind another's
-      execution), never under 0.8 x 25 = 20 ms above ~30 req/s, so the lull of its day (80 req/s for 30 s)
-      kept the second instance throughout: instance-seconds 1.01 of the best static configuration's, where
-      the oracle, one instance in the lull (22.5 ms measured), needed 0.77. With the rule (r53) one instance
-      was predicted 22.2 ms at 1.25 x 98 = 122 req/s, under 22.5, and took the lull 13 s into it: 0.93, the
-      same goodput (r56, with the guard below: 0.79). A configuration chosen so is not scaled straight back up: the choice asks the same margin
-      at the high end itself, 25% less load. Where the p99 rises steeply (a busy instance), the rule is the
-      stricter one: shift's afternoon (one sim_accel instance ~97% busy at 220 req/s) does not hold 275. Not
-      while the load rises (the forecast's mid over RISING x its level): where the p99 is that flat, 1.25 x the
-      load adds only ~1 ms to it, as much as the observed/predicted correction moves from one window to the
-      next, and on a ramp such a flip is paid at once. r55 (the same bench again): at 265 req/s on the ramp to
-      360, 3 -> 2 by this rule (correction 1.00), 2 -> 3 nine seconds later (correction 1.05);
+    * *room*: it is predicted under MARGIN x the target (the margin the choice keeps) at CONSOLIDATE_HEADROOM x the
+      forecast's high end: a quarter more load than that. For a p99 that hardly grows with the load, near the
+      target, where a margin on the latency says nothing about the load a configuration can take. An unseen model's
+      bench (r52: ~9 ms a request, host work then a device of 3 slots, a 25-ms target): one instance's p99 is
+      predicted 20-22 ms from 80 req/s to 150 (mostly a request waiting behind another's execution), never under
+      0.8 x 25 = 20 ms above ~30 req/s, so the lull of its day (80 req/s for 30 s) kept the second instance throughout:
+      instance-seconds 1.01 of the best static configuration's, where the oracle, one instance in the lull (22.5 ms
+      measured), needed 0.77. With the rule (r53) one instance was predicted 22.2 ms at 1.25 x 98 = 122 req/s, under
+      22.5, and took the lull 13 s into it: 0.93, the same goodput (r56, with the guard below: 0.79). A
+      configuration chosen so is not scaled straight back up: the choice asks the same margin at the high end
+      itself, 25% less load. Where the p99 rises steeply (a busy instance), the rule is the stricter one: shift's
+      afternoon (one sim_accel instance ~97% busy at 220 req/s) does not hold 275. Not while the load rises (the
+      forecast's mid over RISING x its level): where the p99 is that flat, 1.25 x the load adds only ~1 ms to it, as
+      much as the observed/predicted correction moves from one window to the next, and on a ramp such a flip is paid
+      at once. r55 (the same bench again): at 265 req/s on the ramp to 360, 3 -> 2 by this rule (correction 1.00),
+      2 -> 3 nine seconds later (correction 1.05);
     * *buys nothing*: the instances it drops buy nothing at this load: its p99, predicted with the live
       configuration's correction, is within NO_GAIN of the live one's (and under MARGIN x the target, unless
       nothing is). For targets close to the model's own latency: with a 9 ms target on a model whose lone
@@ -933,21 +933,28 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         """A change to `s` fits in memory: in place (same delay), or a full reload of at most `reload_max`."""
         return s.max_queue_delay_us == live.max_queue_delay_us or reload_max is None or s.instance_count <= reload_max
 
+    def correction_of(s: Settings) -> float:
+        """The correction a prediction of `s` takes: the recent one for the live configuration, else its own."""
+        return factor if s == live else config_correction(state, s, factor, now)
+
     def at_hi(s: Settings) -> Candidate | None:
         if s not in cache:
-            own = factor if s == live else config_correction(state, s, factor, now)
-            cache[s] = predict(s, hi, model, mb, own, limit, device)
+            cache[s] = predict(s, hi, model, mb, correction_of(s), limit, device)
         return cache[s]
 
     def at_headroom(s: Settings) -> Candidate | None:
         """`s` predicted at CONSOLIDATE_HEADROOM x the forecast's high end (for a scale-down, see the doc)."""
-        own = factor if s == live else config_correction(state, s, factor, now)
-        return predict(s, hi * CONSOLIDATE_HEADROOM, model, mb, own, limit, device)
+        return predict(s, hi * CONSOLIDATE_HEADROOM, model, mb, correction_of(s), limit, device)
+
+    def shrinks(c: Candidate) -> bool:
+        """`c` is smaller than the live configuration: fewer instances, or as many with a shorter delay."""
+        n, d = c.settings.instance_count, c.settings.max_queue_delay_us
+        return n < live.instance_count or (n == live.instance_count and d < live.max_queue_delay_us)
 
     def fewest(under_ms: float, longest_us: int | None = None,
-               at: Callable[[Settings], Candidate | None] | None = None) -> Candidate | None:
-        """The fewest instances, then the shortest delay (up to `longest_us`), predicted under `under_ms` (by
-        `at`: at the forecast's high end unless given).
+               at: Callable[[Settings], Candidate | None] | None = None, most: int | None = None) -> Candidate | None:
+        """The fewest instances (up to `most`), then the shortest delay (up to `longest_us`), predicted under
+        `under_ms` (by `at`: at the forecast's high end unless given).
 
         A longer delay is taken over its count's shortest only for a clear predicted gain (DELAY_MIN_GAIN); one
         passed over for that is still taken where the count above would need a longer delay too and is predicted
@@ -955,7 +962,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         4 x 8000us (44.6 ms): a full reload as well, one instance more, and slower by the same model."""
         at = at or at_hi
         passed: Candidate | None = None      # the first longer delay that met `under_ms` without a clear gain
-        for n in range(min_instances, max(ceiling, min_instances) + 1):
+        top = max(ceiling, min_instances) if most is None else min(max(ceiling, min_instances), most)
+        for n in range(min_instances, top + 1):
             shortest = at(Settings(n, delays[0]))
             # why: at a stable shortest delay far over the limit no delay rescues this count (a delay moves
             # p99 by the batching it adds, a fraction of it); skipping those saves most of the simulations
@@ -1007,7 +1015,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         f = inputs.forecast
         if f is None or f.ticks < 3:
             return s, None
-        own = factor if s == live else config_correction(state, s, factor, now)
+        own = correction_of(s)
         peak = max(r for _, r in f.peaks)
         top = predict(s, peak, model, mb, own, limit, device)
         if top is None or top.meets:
@@ -1119,17 +1127,17 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         # with the load, near the target, never gets under the stricter margin)
         f = inputs.forecast
         rising = f is not None and f.ticks >= 3 and band[1] > RISING * f.level
-        roomy = None if rising else fewest(limit, longest_us=live.max_queue_delay_us, at=at_headroom)
+        roomy = None if rising else fewest(limit, longest_us=live.max_queue_delay_us, at=at_headroom,
+                                           most=live.instance_count)
+        if roomy is not None and not shrinks(roomy):
+            roomy = None        # why: a rule for scale-downs; a hold logs the choice at the high end, not this one
         # (only fewer instances than these could win the choice below, so only those are simulated)
         free = buys_nothing(live_c, min([live.instance_count] + [c.settings.instance_count for c in (strict, roomy)
                                                                  if c is not None]))
         options = [c for c in (strict, roomy, free) if c is not None]
         if options:
             chosen = min(options, key=lambda c: (c.settings.instance_count, c.settings.max_queue_delay_us))
-        smaller = bool(options) and (chosen.settings.instance_count < live.instance_count or (
-            chosen.settings.instance_count == live.instance_count
-            and chosen.settings.max_queue_delay_us < live.max_queue_delay_us))
-        if not smaller:
+        if not (options and shrinks(chosen)):
             return Plan(None, "HoldPredictedOk", where, usable=True, chosen=chosen, state=keep, **common)
         why = ("buys nothing" if chosen is free else f"under {CONSOLIDATE_MARGIN:g}x the target" if chosen is strict
                else f"under {MARGIN:g}x the target at {CONSOLIDATE_HEADROOM:g}x the forecast's high end "

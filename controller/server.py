@@ -307,6 +307,11 @@ def _policy_of_text(text: str) -> dict:
     return {"latest": {"num_versions": int(m.group(1))}} if m else {}
 
 
+def _version_folders(folder: Path) -> list[Path]:
+    """A model folder's version folders (named by a number), oldest first; OSError where it cannot be read."""
+    return sorted((v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()), key=lambda v: int(v.name))
+
+
 def _policy_versions(versions: list[Path], policy: dict | None) -> list[Path]:
     """The version folders a version policy loads (Triton's default: the newest one)."""
     policy = policy or {}
@@ -330,7 +335,7 @@ def missing_python_file(folder: Path, config: dict | None = None) -> str | None:
     folder = Path(folder)
     path = folder / "config.pbtxt"
     try:
-        versions = sorted((v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()), key=lambda v: int(v.name))
+        versions = _version_folders(folder)
         text = path.read_text(errors="replace") if config is None and path.is_file() else ""
     except OSError:
         return None                     # why: not ours to judge; the server's load says what is wrong
@@ -359,8 +364,7 @@ def version_change(folder: Path, config: Mapping[str, Any] | None, live: set[int
     and version 1 UNLOADING. So the controller, whose reloads change instances and delay and nothing else, would
     deploy a version its operator had not loaded yet (or one still being copied)."""
     try:
-        versions = sorted((v for v in Path(folder).iterdir() if v.is_dir() and v.name.isdigit()),
-                          key=lambda v: int(v.name))
+        versions = _version_folders(Path(folder))
     except OSError:
         return [], []
     policy = (config or {}).get("version_policy")
