@@ -17,10 +17,12 @@ more instances (or a shorter delay) where requests wait. So, each tick:
    cores, host stalls put the ensemble's p99 23 ms over its step's, and the cut asked the step for 4 ms
    against 9 ms of compute, sending it to its maximum for nothing). The two p99s must cover the same
    seconds: the loop restarts an ensemble's window whenever one of its steps changes;
-3. every other step keeps its own target: one step at a time. When the queue moves to another step,
-   the target moves with it;
-4. while the ensemble's or its steps' data are missing (a change settling, a failed scrape), every step
-   keeps the target it has: a gap in the data never hands a step back its looser own target.
+3. every other step keeps its own target (one step at a time; when the queue moves to another step, the
+   target moves with it), but never looser than the ensemble's own: each request of the ensemble passes
+   through every step, so a step's latency is part of the ensemble's, and a step under a looser target
+   (the defaults' 1 s, say) could be consolidated to where it alone misses the ensemble's;
+4. while the ensemble's or its steps' data are missing (a change settling, a failed scrape, no request yet),
+   every step keeps the target it has: a gap in the data never hands a step back its looser own target.
 
 A step in several ensembles gets the strictest of their targets. The policy then does what it does for
 any model against that target, within the shared memory budget (the arbiter), so the ensemble's p99
@@ -113,21 +115,36 @@ class EnsembleView:
     steps: tuple[str, ...]
 
 
+def _tighter(now: StepTarget | None, base: StepTarget) -> StepTarget:
+    """What a step runs under while the data do not say: what it has, unless that is looser than its capped own."""
+    return base if now is None or now.target_ms > base.target_ms else now
+
+
 def plan(ensembles: Sequence[EnsembleView], obs: Mapping[str, Observation | None], own: Mapping[str, float],
          current: Mapping[str, StepTarget]) -> dict[str, StepTarget]:
     """The target each step of these ensembles should run under now: the strictest over the ensembles,
-    settled against `current` (what the steps run under now; a step missing there runs under its own).
+    settled against `current` (what the steps run under now; a step missing there runs under its own, capped at
+    its ensembles' targets).
     An ensemble whose data do not say leaves its steps' current targets as they are. Steps not in `own`
     are left out."""
+    base = {s: StepTarget(s, ms) for s, ms in own.items()}     # each step's own target, capped (point 3)
+    for e in ensembles:
+        for s in e.steps:
+            if s in own and e.target_ms < base[s].target_ms:
+                base[s] = StepTarget(s, e.target_ms, e.name,
+                                     f"{e.name} p99 target {e.target_ms:g} ms: a request of {e.name} passes through "
+                                     f"{s}, so {s}'s p99 is part of {e.name}'s (its own target {own[s]:g} ms is looser)")
+    capped = {s: b.target_ms for s, b in base.items()}
     per_ensemble = []
     for e in ensembles:
-        t = step_targets(e.name, e.target_ms, e.obs, e.steps, obs, own)
-        per_ensemble.append(t if t is not None else
-                            {s: current.get(s, StepTarget(s, own[s])) for s in e.steps if s in own})
+        t = step_targets(e.name, e.target_ms, e.obs, e.steps, obs, capped)
+        per_ensemble.append({s: (x if x.ensemble else base[s]) for s, x in t.items()} if t is not None else
+                            {s: _tighter(current.get(s), base[s]) for s in e.steps if s in own})
     merged = merge(per_ensemble)
     out = {}
     for s, t in merged.items():
         now = current.get(s)
-        settled = settle(now.target_ms if now is not None else own[s], t.target_ms, own[s])
+        # the hysteresis is for the noise between derived targets: the first one derived replaces the cap at once
+        settled = settle(now.target_ms if now is not None and now != base[s] else 0.0, t.target_ms, capped[s])
         out[s] = t if settled == t.target_ms else (now if now is not None else StepTarget(s, settled))
     return out

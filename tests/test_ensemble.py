@@ -79,7 +79,33 @@ def test_a_gap_in_the_data_keeps_the_targets_the_steps_have():
     views = [E.EnsembleView("ens", 50.0, obs(valid=False), ("net",))]
     held = E.StepTarget("net", 35.0, "ens", "earlier")
     assert E.plan(views, {"net": obs(45, 9.0)}, {"net": 100.0}, {"net": held}) == {"net": held}
-    assert E.plan(views, {"net": obs(45, 9.0)}, {"net": 100.0}, {}) == {"net": E.StepTarget("net", 100.0)}
+    # with nothing held yet, its own target, capped at the ensemble's (next test)
+    assert E.plan(views, {"net": obs(45, 9.0)}, {"net": 100.0}, {})["net"].target_ms == 50.0
+    assert E.plan(views, {"net": obs(45, 9.0)}, {"net": 30.0}, {}) == {"net": E.StepTarget("net", 30.0)}
+
+
+def test_no_step_runs_under_a_target_looser_than_its_ensembles():
+    """Every request of an ensemble passes through each step, so a step's p99 is part of the ensemble's: a step
+    left under the defaults' 1 s (seen in the mixed repository's `status` before its first request) could be
+    consolidated to where it alone misses the ensemble's 25 ms. Before any data, and for a step that does not
+    queue longest, the ensemble's target is the step's ceiling; a tighter own target stays."""
+    no_data = [E.EnsembleView("ens", 25.0, None, ("pre", "net", "post"))]
+    own = {"pre": 1000.0, "net": 1000.0, "post": 10.0}
+    cur = {s: E.StepTarget(s, ms) for s, ms in own.items()}     # what the loop passes on its first tick
+    t = E.plan(no_data, {}, own, cur)
+    assert t["pre"].target_ms == 25.0 and t["pre"].ensemble == "ens" and "part of ens's" in t["pre"].why
+    assert t["net"].target_ms == 25.0 and t["post"] == E.StepTarget("post", 10.0)
+    # with data: the step that queues longest gets the derived target; the others stay capped, not at 1 s
+    ens = Observation(valid=True, p99_ms=20.0, request_ms_mean=12.0)
+    o = {"pre": Observation(valid=True, p99_ms=3.0, queue_ms_per_request=0.1, request_ms_mean=1.0),
+         "net": Observation(valid=True, p99_ms=15.0, queue_ms_per_request=2.0, request_ms_mean=9.0),
+         "post": Observation(valid=True, p99_ms=2.0, queue_ms_per_request=0.0, request_ms_mean=1.0)}
+    t = E.plan([E.EnsembleView("ens", 25.0, ens, ("pre", "net", "post"))], o, own, t)
+    assert t["net"].target_ms == 22.0 and "queues longest" in t["net"].why         # 25 - (12 - 9), not held at 25
+    assert t["pre"].target_ms == 25.0 and t["post"].target_ms == 10.0
+    # a step in two ensembles: the stricter cap
+    two = [E.EnsembleView("a", 40.0, None, ("s",)), E.EnsembleView("b", 30.0, None, ("s",))]
+    assert E.plan(two, {}, {"s": 1000.0}, {})["s"].ensemble == "b"
 
 
 def test_a_shared_step_gets_the_strictest_and_noise_does_not_move_it():
