@@ -542,7 +542,13 @@ def _no_traffic_hint(doc: dict) -> str | None:
         [n for n, m in managed if m.get("state") == "READY"]
     if not ready:
         return None
-    return (f"no requests yet: `python -m controller load --model {ready[0]} --rate 50` sends some, open loop, "
+    # why: after traffic has stopped, "yet" would be wrong: a model that executed before (its service fit counts
+    # executions) or was changed has had requests, just none in the window
+    served = any(((m.get("obs") or {}).get("service") or {}).get("executions") or m.get("last_change")
+                 for _, m in managed)
+    span = max(((m.get("obs") or {}).get("span_s") or 0 for _, m in managed), default=0)
+    when = f"no requests in the last {span:.0f} s" if served and span else "no requests yet"
+    return (f"{when}: `python -m controller load --model {ready[0]} --rate 50` sends some, open loop, "
             "a line every 5 s (README, \"Then: send it traffic\")")
 
 

@@ -413,6 +413,13 @@ def test_under_serve_with_no_traffic_status_says_how_to_send_some():
     assert "load --model ens --rate 50" in format_text(ens)
     only_step = dict(doc, models={"a_step": dict(idle), "ens": dict(idle, ensemble_steps=["a_step"], state="LOADING")})
     assert "load --model a_step --rate 50" in format_text(only_step)
+    # after traffic has stopped: not "yet" (a model with executions behind its fit, or one changed, had requests)
+    served = dict(idle, obs=dict(idle["obs"], service={"executions": 2201, "sizes": [1]}))
+    after = format_text(dict(doc, models={"resnet_tiny": served, "sim_accel": dict(idle)}))
+    assert after.endswith("no requests in the last 18 s: `python -m controller load --model resnet_tiny --rate 50` "
+                          "sends some, open loop, a line every 5 s (README, \"Then: send it traffic\")"), after
+    changed = format_text(dict(doc, models={"resnet_tiny": dict(idle), "sim_accel": dict(idle, last_change={"t": 1})}))
+    assert "no requests in the last 18 s" in changed and "no requests yet" not in changed
 
 
 def test_a_model_of_several_versions_is_ready_where_one_is_and_status_names_each():
