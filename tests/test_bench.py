@@ -526,12 +526,34 @@ def test_scale_up_lag_behind_the_oracle_docstring_example():
     late = [{"t": 0.0, "instances": 1}, {"t": 46.0, "instances": 2}, {"t": 150.0, "instances": 1}]
     early = [{"t": 0.0, "instances": 1}, {"t": 20.0, "instances": 2}]
     never = [{"t": 0.0, "instances": 1}, {"t": 130.0, "instances": 2}]
-    assert scale_up_lags(late, oracle, 180.0) == [{"at_s": 25.0, "oracle_instances": 2, "lag_s": 21.0}]
+    assert scale_up_lags(late, oracle, 180.0) == [{"at_s": 25.0, "oracle_instances": 2, "lag_s": 21.0,
+                                                   "first_up_s": 21.0}]
     assert scale_up_lags(early, oracle, 180.0)[0]["lag_s"] == 0.0
     assert scale_up_lags(never, oracle, 180.0)[0]["lag_s"] is None          # not before the oracle went back
     assert scale_up_lags(late, [{"t": 0.0, "instances": 2}], 180.0) == []    # the oracle never scales up
     failed = late[:1] + [{"t": 30.0, "instances": 2, "ok": False}] + late[1:]
     assert scale_up_lags(failed, oracle, 180.0)[0]["lag_s"] == 21.0          # a failed change does not count
+    assert scale_up_lags(failed, oracle, 180.0)[0]["first_up_s"] == 21.0
+    assert scale_up_lags(never, oracle, 180.0)[0]["first_up_s"] is None
+
+
+def test_the_first_scale_up_is_told_apart_from_reaching_the_oracles_count():
+    """shift_tight r59: the oracle went 2 -> 4 at 50 s; the adaptive arm 2 -> 3 two seconds later (then a delay,
+    which held the SLA) and to 4 only at 107 s. The lag to the oracle's count is 57 s; its first scale-up, 2 s."""
+    from controller.evaluation.bench import scale_up_lags
+    oracle = [{"t": 0.0, "instances": 1}, {"t": 25.0, "instances": 2}, {"t": 50.0, "instances": 4},
+              {"t": 130.0, "instances": 2}]
+    adaptive = [{"t": 0.0, "instances": 1}, {"t": 35.0, "instances": 2}, {"t": 52.0, "instances": 3},
+                {"t": 80.0, "instances": 3, "delay_us": 2000}, {"t": 107.0, "instances": 4}]
+    lags = scale_up_lags(adaptive, oracle, 180.0)
+    assert [(x["lag_s"], x["first_up_s"]) for x in lags] == [(10.0, 10.0), (57.0, 2.0)]
+    # already above what the oracle ran before its rise: early, 0; a rise after the oracle went back: never
+    early = [{"t": 0.0, "instances": 1}, {"t": 35.0, "instances": 2}, {"t": 45.0, "instances": 3},
+             {"t": 107.0, "instances": 4}]
+    assert scale_up_lags(early, oracle, 180.0)[1]["first_up_s"] == 0.0
+    late = [{"t": 0.0, "instances": 1}, {"t": 35.0, "instances": 2}, {"t": 140.0, "instances": 3}]
+    assert scale_up_lags(late, oracle, 180.0)[1] == {"at_s": 50.0, "oracle_instances": 4, "lag_s": None,
+                                                     "first_up_s": None}
 
 
 def test_a_sweep_cell_the_client_sent_late_is_named_after_the_table():

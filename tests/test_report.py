@@ -37,6 +37,13 @@ def test_rows_carry_the_summary_numbers_and_ratios_to_best_static(tmp_path):
     assert "| bursty | 25 | adaptive | 1-3 inst, 0/2000 us | 190.0 | 0.95 | 270 | 0.75 | 30.3 | 3 | 2 |" in lines
     assert "- **shift** (adaptive): first good config 2 s; worst scale-up lag behind the oracle 12.2 s; controller CPU 1.50%" in lines
     assert "worst scale-up lag behind the oracle none (the oracle never scaled up)" in text
+    both = markdown([_summary(tmp_path, "tight", scale_up_lag_s=[{"lag_s": 10.0, "first_up_s": 10.0},
+                                                                 {"lag_s": 57.0, "first_up_s": 2.0}])])
+    assert ("worst scale-up lag behind the oracle 57.0 s (to the oracle's count; its first scale-up at most 10.0 s "
+            "after the oracle's)") in both
+    none = markdown([_summary(tmp_path, "none", scale_up_lag_s=[{"lag_s": None, "first_up_s": None},
+                                                                {"lag_s": 3.0, "first_up_s": 3.0}])])
+    assert "3.0 s (to the oracle's count; on one step no scale-up at all)" in none
 
 
 def test_a_missing_reference_arm_says_n_a_rather_than_a_ratio(tmp_path):

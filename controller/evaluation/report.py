@@ -86,6 +86,11 @@ def rows(doc: dict, path: Path) -> list[str]:
 def timing_line(doc: dict, path: Path) -> str:
     lags = [x["lag_s"] for x in doc.get("scale_up_lag_s") or [] if x.get("lag_s") is not None]
     lag = f"{max(lags):.1f} s" if lags else "none (the oracle never scaled up)"
+    # the first rise after the oracle's (issue 10's "first scale-up"), where the summary has it (older ones do not)
+    firsts = [x.get("first_up_s") for x in doc.get("scale_up_lag_s") or [] if "first_up_s" in x]
+    if firsts and lags:
+        lag += (" (to the oracle's count; on one step no scale-up at all)" if None in firsts
+                else f" (to the oracle's count; its first scale-up at most {max(firsts):.1f} s after the oracle's)")
     parts = [f"first good config {_num(doc.get('first_good_config_s'), '.0f')} s",
              f"worst scale-up lag behind the oracle {lag}",
              f"controller CPU {_num(doc.get('controller_cpu_pct'), '.2f')}%"]
