@@ -375,7 +375,8 @@ def cmd_serve(args) -> int:
             # that no claim (a full reload of every instance) follows under the load that begins after "ready"
             server_cfg = dataclasses.replace(
                 cfg.server, http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
-                auth_header=ADMIN_HEADER if restricted else cfg.server.auth_header)
+                auth_header=ADMIN_HEADER if restricted else cfg.server.auth_header,
+                repository=str(server.options.repository))
             cfg = dataclasses.replace(cfg, server=server_cfg)
             served = server.model_names()
             if not cfg.models:
@@ -387,7 +388,6 @@ def cmd_serve(args) -> int:
                 cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
                     cfg.loop, decision_log=str(runstate.serve_dir(os.getpid(), folder) / "decisions.jsonl")))
             controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0)
-            controller.repository = Path(server.options.repository)
             premarked = controller.first_load_configs(server.options.repository, served)
         server.start(premarked)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: HTTP {server.http_url}, gRPC {server.grpc_url}, "

@@ -42,11 +42,11 @@ from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource
 from .observer import ModelObserver, TraceFeed
 from .ownership import FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, TAKE_OVER, OwnerMark, OwnershipGuard, Verdict, identity, mark_of
 from . import ownership
+from .server import version_change
 from .signals import ModelCounters, Scraper, StatsCounters
 from .sweep_schema import cells_of, load_sweep
 from .telemetry import ControllerMetrics
 from .traces import TraceApi
-from .server import version_change
 from .types import Decision, GpuObservation, Observation, Settings
 
 log = logging.getLogger("controller.loop")
