@@ -24,6 +24,11 @@ more instances (or a shorter delay) where requests wait. So, each tick:
 4. while the ensemble's or its steps' data are missing (a change settling, a failed scrape, no request yet),
    every step keeps the target it has: a gap in the data never hands a step back its looser own target.
 
+A model that calls others (BLS) is handled the same way once its request traces show the calls
+(controller/calls.py): its callees are its "steps", each called k times a request (`EnsembleView.calls`).
+It differs from an ensemble in one way: it has a queue and instances of its own, so where it queues at
+least as long as any callee, no callee's target is cut (step_targets says how).
+
 A step in several ensembles gets the strictest of their targets. The policy then does what it does for
 any model against that target, within the shared memory budget (the arbiter), so the ensemble's p99
 meets its target where the step can be scaled to meet it.
@@ -55,8 +60,18 @@ def holder(steps: Sequence[str], obs: Mapping[str, Observation | None]) -> str |
 
 
 def step_targets(ensemble: str, target_ms: float, ens_obs: Observation | None, steps: Sequence[str],
-                 step_obs: Mapping[str, Observation | None], own: Mapping[str, float]) -> dict[str, StepTarget] | None:
-    """Each step's target under this ensemble (see the module's doc); None when the data do not say."""
+                 step_obs: Mapping[str, Observation | None], own: Mapping[str, float],
+                 calls: Mapping[str, float] | None = None) -> dict[str, StepTarget] | None:
+    """Each step's target under this ensemble (see the module's doc); None when the data do not say.
+
+    `calls`: `ensemble` is a model that calls its `steps` (BLS, controller/calls.py), with the mean calls of
+    each per request of its own. Then the caller has a queue and instances of its own: where it queues at least
+    as long as the callee that queues longest, its own instances are what helps and no callee's target is cut
+    (each keeps its capped own). A callee called k times a request gets 1/k of what the caller leaves:
+    (target - rest) / k, rest being the caller's mean request time less k times the callee's; an excess over
+    the target is cut from each call's p99 by excess / k. Worked example: bls, target 60 ms, mean 40 ms, p99 50
+    ms, queue 0.5 ms, calls plain twice a request; plain mean 15 ms, queue 6 ms: rest = 40 - 2 x 15 = 10 ms, so
+    plain's target is (60 - 10) / 2 = 25 ms."""
     out = {s: StepTarget(s, own[s]) for s in steps if s in own}
     if ens_obs is None or not ens_obs.valid or ens_obs.p99_ms is None:
         return None
@@ -64,23 +79,27 @@ def step_targets(ensemble: str, target_ms: float, ens_obs: Observation | None, s
     if h is None or step_obs[h].p99_ms is None:
         return None
     step = step_obs[h]
+    if calls is not None and ens_obs.queue_ms_per_request >= step.queue_ms_per_request:
+        return out
+    k = max(1.0, calls.get(h, 1.0)) if calls is not None else 1.0
     if ens_obs.request_ms_mean > 0 and step.request_ms_mean > 0:
-        rest = max(0.0, ens_obs.request_ms_mean - step.request_ms_mean)
+        rest = max(0.0, ens_obs.request_ms_mean - k * step.request_ms_mean)
     else:
-        rest = max(0.0, ens_obs.p99_ms - step.p99_ms)
-    derived = target_ms - rest
+        rest = max(0.0, ens_obs.p99_ms - k * step.p99_ms)
+    derived = (target_ms - rest) / k
     excess = ens_obs.p99_ms - target_ms
     not_in_queue = False
-    if excess > 0 and step.p99_ms - excess < derived:
+    if excess > 0 and step.p99_ms - excess / k < derived:
         # what more instances remove is queueing, not compute: the cut stops at the step's compute time per
         # request (an excess beyond that is not in this step's queue: host stalls, time outside the steps)
         floor = min(derived, step.compute_ms_per_request)
-        not_in_queue = step.p99_ms - excess < floor
-        derived = max(step.p99_ms - excess, floor)
-    derived = max(derived, MIN_FRACTION * target_ms)
+        not_in_queue = step.p99_ms - excess / k < floor
+        derived = max(step.p99_ms - excess / k, floor)
+    derived = max(derived, MIN_FRACTION * target_ms / k)
     if derived >= own[h]:
         return out
-    why = (f"{ensemble} p99 target {target_ms:g} ms less {rest:.1f} ms the rest of {ensemble} adds"
+    per_call = f", over {k:.2g} calls a request" if k != 1.0 else ""
+    why = (f"{ensemble} p99 target {target_ms:g} ms less {rest:.1f} ms the rest of {ensemble} adds{per_call}"
            + (f", or {h}'s p99 {step.p99_ms:.1f} ms less the {excess:.1f} ms {ensemble} is over" if excess > 0 else "")
            + (f", but not below its compute time, {step.compute_ms_per_request:.1f} ms a request: more instances do not "
               f"remove that" if not_in_queue else "")
@@ -109,10 +128,18 @@ def settle(previous_ms: float, new_ms: float, own_ms: float) -> float:
 
 @dataclass(frozen=True)
 class EnsembleView:
+    """An ensemble and its steps, or a model that calls others (BLS) and its callees (`calls` set: the mean calls
+    of each callee per request of the caller, from its request traces; controller/calls.py)."""
     name: str
     target_ms: float
     obs: Observation | None
     steps: tuple[str, ...]
+    calls: Mapping[str, float] | None = None
+
+    def relation(self, step: str) -> str:
+        if self.calls is None:
+            return f"a request of {self.name} passes through {step}"
+        return f"{self.name} calls {step} (seen in its request traces)"
 
 
 def _tighter(now: StepTarget | None, base: StepTarget) -> StepTarget:
@@ -132,12 +159,12 @@ def plan(ensembles: Sequence[EnsembleView], obs: Mapping[str, Observation | None
         for s in e.steps:
             if s in own and e.target_ms < base[s].target_ms:
                 base[s] = StepTarget(s, e.target_ms, e.name,
-                                     f"{e.name} p99 target {e.target_ms:g} ms: a request of {e.name} passes through "
-                                     f"{s}, so {s}'s p99 is part of {e.name}'s (its own target {own[s]:g} ms is looser)")
+                                     f"{e.name} p99 target {e.target_ms:g} ms: {e.relation(s)}, "
+                                     f"so {s}'s p99 is part of {e.name}'s (its own target {own[s]:g} ms is looser)")
     capped = {s: b.target_ms for s, b in base.items()}
     per_ensemble = []
     for e in ensembles:
-        t = step_targets(e.name, e.target_ms, e.obs, e.steps, obs, capped)
+        t = step_targets(e.name, e.target_ms, e.obs, e.steps, obs, capped, e.calls)
         per_ensemble.append({s: (x if x.ensemble else base[s]) for s, x in t.items()} if t is not None else
                             {s: _tighter(current.get(s), base[s]) for s in e.steps if s in own})
     merged = merge(per_ensemble)

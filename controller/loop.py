@@ -36,6 +36,7 @@ from . import capacity as capacity_mod
 from . import ensemble, groups, modelkind, planner, policy
 from .arbiter import ModelView, arbitrate
 from .actuation import UNREACHABLE, Actuator, ApplyResult, TritonControl, classify_error, settings_of
+from .calls import CallGraph
 from .config import ControllerConfig, ModelLimits
 from .decision_log import JsonLog
 from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
@@ -177,6 +178,7 @@ class Controller:
             api = TraceApi(s.http_url, headers, timeout_s=s.timeout_s) if config.loop.tracing else None
             traces = TraceFeed(api, samples_per_s=config.loop.trace_samples_per_s, path_override=config.loop.trace_file)
         self.traces = traces
+        self.calls = CallGraph()         # who calls whom (BLS), from the request traces
         self.models: dict[str, ManagedModel] = {}
         # the server's model repository where this machine reads it (serve's; `server.repository` for run): a reload
         # that would change which versions serve is held (_versions_moved)
@@ -315,6 +317,7 @@ class Controller:
             if actuator is not None and actuator.control is not self.control:
                 actuator.control.close()
             self.traces.forget(name)
+            self.calls.forget(name)
             self.metrics.forget(name)
 
     def add_model(self, name: str, now: float) -> ManagedModel:
@@ -417,12 +420,36 @@ class Controller:
             mm.limits = dataclasses.replace(mm.limits, min_instances=live,
                                             max_instances=max(mm.limits.max_instances, live))
 
+    def _is_ensemble(self, name: str) -> bool:
+        mm = self.models.get(name)
+        return mm is not None and mm.kind is not None and mm.kind.ensemble
+
+    def _caller_views(self) -> list[ensemble.EnsembleView]:
+        """Each managed model seen calling others in its request traces (BLS; calls.py), with its callees. An
+        ensemble's steps come from its config instead; a decoupled caller's p99 is not what its clients wait for
+        (modelkind.py), and a callee that is an ensemble or decoupled has no target to pass on: both left out."""
+        views = []
+        for caller in sorted({p for p, _ in self.calls.edges()}):
+            mm = self.models.get(caller)
+            if mm is None or mm.kind is None or not mm.kind.managed:
+                continue
+            callees = tuple(c for c in self.calls.callees(caller)
+                            if (cm := self.models.get(c)) is None or cm.kind is None or cm.kind.managed)
+            if callees:
+                views.append(ensemble.EnsembleView(mm.name, mm.limits.p99_target_ms, mm.last_obs, callees,
+                                                   {c: self.calls.calls_per_request(caller, c) for c in callees}))
+        return views
+
     def _pass_ensemble_targets(self, now: float) -> None:
-        """An ensemble's p99 target to the step that holds its latency (ensemble.py); its steps are managed too."""
+        """An ensemble's p99 target to the step that holds its latency, and a caller's (BLS) to the model it calls
+        that does (ensemble.py); its steps and callees are managed too."""
         views = [ensemble.EnsembleView(mm.name, mm.limits.p99_target_ms, mm.last_obs, mm.kind.steps)
                  for mm in self.models.values() if mm.kind is not None and mm.kind.ensemble]
+        views += self._caller_views()
         for step in sorted({s for v in views for s in v.steps} - set(self.models)):
-            log.info("%s: managed as a step of ensemble %s", step, ", ".join(v.name for v in views if step in v.steps))
+            log.info("%s: managed as %s", step, ", ".join(
+                (f"a step of ensemble {v.name}" if v.calls is None else f"a model {v.name} calls")
+                for v in views if step in v.steps))
             self.add_model(step, now)
         steps = {s: self.models[s] for v in views for s in v.steps
                  if self.models[s].kind is None or self.models[s].kind.managed}
@@ -474,6 +501,7 @@ class Controller:
         traffic = any(mm.last_obs is not None and mm.last_obs.valid and mm.last_obs.arrival_rps > 0
                       for mm in self.models.values())
         traced = self.traces.poll(now, traffic)
+        self.calls.add(sample for samples in traced.values() for sample in samples)
         decided: dict[str, tuple[Decision, Observation]] = {}
         for mm in self.models.values():
             mm.observer.add_traces(traced.get(mm.name, ()), now)
@@ -912,6 +940,11 @@ class Controller:
                 self._seen[mm.name] = (now, summarize_obs(obs))
             models[mm.name] = model_status(mm, self._seen.get(mm.name), self.traces.describe(mm.name))
             models[mm.name]["owner"] = owner_status(mm, self.me)
+            # who calls whom (BLS), as the request traces showed it: {model: calls a request}, [callers]; an
+            # ensemble's steps are shown as such (ensemble_steps)
+            models[mm.name]["calls"] = None if self._is_ensemble(mm.name) else {
+                c: round(self.calls.calls_per_request(mm.name, c), 2) for c in self.calls.callees(mm.name)} or None
+            models[mm.name]["called_by"] = [c for c in self.calls.callers(mm.name) if not self._is_ensemble(c)] or None
         loop, s = self.config.loop, self.config.server
         snap = {"interval_s": loop.interval_s, "window_s": loop.window_s, "dry_run": loop.dry_run,
                 "tracing": self.traces.state, "decision_log": loop.decision_log, "ticks": self._ticks,

@@ -29,7 +29,9 @@
 A Python model that calls other models (BLS) has the same config as any Python model, so it cannot be told
 apart here: it is managed like any other (its compute time includes the time of the models it calls; the
 policy's check that an added instance brought throughput or a lower p99 is what stops it scaling a BLS
-model whose callee is the bottleneck).
+model whose callee is the bottleneck). Where it passes its request's trace on to its calls
+(`trace=request.trace()`), the request traces show whom it calls (controller/calls.py), and its target is
+passed to them as an ensemble's is to its steps (controller/ensemble.py).
 """
 from __future__ import annotations
 

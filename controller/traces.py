@@ -65,7 +65,10 @@ class TraceSample:
       before the batch's COMPUTE_END and REQUEST_END (seen on 2.51, gRPC and HTTP).
     * `queue_ms`: QUEUE_START -> COMPUTE_START; `compute_ms`: COMPUTE_START -> COMPUTE_END
       (input copy + execution + output copy of the batch the request ran in); None if absent.
-    * `parent_id`: the trace id of the ensemble request a composing step belongs to, else None.
+    * `parent_id`: the trace id of the request this one was made for, else None: the ensemble request a
+      composing step belongs to, or the request of a Python (BLS) model that passed its trace on
+      (`pb_utils.InferenceRequest(..., trace=request.trace())`; seen on 2.51: without it the call is not traced).
+    * `trace_id`: this trace's own id (what a child's `parent_id` names), None where not known.
 
     Worked number (a gRPC trace seen on 2.51, ns relative to REQUEST_START): WAITREAD_END -59,448,
     QUEUE_START 26,229, COMPUTE_START 118,961, COMPUTE_END 8,946,579, REQUEST_END 8,971,937,
@@ -80,6 +83,7 @@ class TraceSample:
     queue_ms: float | None = None
     compute_ms: float | None = None
     parent_id: int | None = None
+    trace_id: int | None = None
 
 
 _NS_LIMIT = 2**64  # why: timestamps are uint64 ns; anything larger is garbage (and would overflow float)
@@ -136,7 +140,7 @@ class _Trace:
         span = self.last[end] - self.first[start]
         return span / 1e6 if span >= 0 else None
 
-    def sample(self) -> TraceSample | None:
+    def sample(self, trace_id: int | None = None) -> TraceSample | None:
         request_ms = self.span_ms("REQUEST_START", "REQUEST_END")
         if self.model is None or request_ms is None:
             return None  # why: without a model or both request ends there is nothing to attribute
@@ -151,6 +155,7 @@ class _Trace:
             queue_ms=self.span_ms("QUEUE_START", "COMPUTE_START"),
             compute_ms=self.span_ms("COMPUTE_START", "COMPUTE_END"),
             parent_id=self.parent_id,
+            trace_id=trace_id,
         )
 
 
@@ -169,7 +174,7 @@ def _parse(text: str | bytes) -> list[TraceSample] | None:
         trace_id = _trace_id(record.get("id"))
         if trace_id is not None:
             traces.setdefault(trace_id, _Trace()).add_record(record)
-    return [s for s in (t.sample() for t in traces.values()) if s is not None]
+    return [s for s in (t.sample(i) for i, t in traces.items()) if s is not None]
 
 
 def parse_trace_text(text: str | bytes) -> list[TraceSample]:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,22 @@ def live_stubs(server: TritonServer) -> dict[int, list[str]]:
 # (30 s by default) for the failed version, which stays "live"; three module teardowns lost 30 s each to it in CI.
 # A healthy test server stops in ~2 s. `serve` keeps Triton's default for users (a graceful drain).
 TEST_EXIT_TIMEOUT_S = 5
+
+
+@contextlib.contextmanager
+def running_controller(cfg):
+    """A Controller on `cfg`, ticking on its own thread until the block ends; then stopped and closed."""
+    from controller.loop import Controller
+    controller = Controller(cfg)
+    stop = threading.Event()
+    thread = threading.Thread(target=controller.run, args=(stop,))
+    thread.start()
+    try:
+        yield controller
+    finally:
+        stop.set()
+        thread.join()
+        controller.close()
 
 
 def start_server(models: list[str], **kw) -> TritonServer:

@@ -208,3 +208,31 @@ def test_status_shows_the_ensemble_end_to_end_and_its_steps():
     quiet = format_text(doc).split("\n\nens  ")[1].split("\n\n")[0]
     assert "per request" not in quiet and "0.00 ms" not in quiet, quiet
     assert re.search(r"\n  p99 +none: no requests in the window", quiet), quiet
+
+
+def test_a_callers_target_over_its_calls_the_docstrings_worked_example():
+    """bls (target 60 ms, mean 40, p99 50, queue 0.5) calls plain twice a request (mean 15, queue 6): the rest is
+    40 - 2 x 15 = 10 ms, and each of the two calls gets (60 - 10) / 2 = 25 ms."""
+    bls = Observation(valid=True, p99_ms=50.0, request_ms_mean=40.0, queue_ms_per_request=0.5)
+    plain = Observation(valid=True, p99_ms=20.0, request_ms_mean=15.0, queue_ms_per_request=6.0)
+    t = E.step_targets("bls", 60.0, bls, ["plain"], {"plain": plain}, {"plain": 1000.0}, calls={"plain": 2.0})
+    assert t["plain"].target_ms == 25.0 and t["plain"].ensemble == "bls" and "over 2 calls a request" in t["plain"].why
+    # the same as an ensemble step (one pass a request): 60 - (40 - 15)
+    assert E.step_targets("bls", 60.0, bls, ["plain"], {"plain": plain}, {"plain": 1000.0})["plain"].target_ms == 35.0
+
+
+def test_a_caller_that_queues_longest_cuts_no_callees_target():
+    """Its own instances are what helps: the callees keep their (capped) own targets."""
+    bls = Observation(valid=True, p99_ms=80.0, request_ms_mean=40.0, queue_ms_per_request=20.0)
+    plain = Observation(valid=True, p99_ms=20.0, request_ms_mean=15.0, queue_ms_per_request=6.0)
+    t = E.step_targets("bls", 60.0, bls, ["plain"], {"plain": plain}, {"plain": 60.0}, calls={"plain": 1.0})
+    assert t == {"plain": E.StepTarget("plain", 60.0)}
+
+
+def test_a_callee_never_runs_under_a_target_looser_than_its_callers():
+    view = E.EnsembleView("bls", 60.0, None, ("plain",), {"plain": 1.0})
+    planned = E.plan([view], {"plain": None}, {"plain": 1000.0}, {})
+    assert planned["plain"].target_ms == 60.0 and planned["plain"].ensemble == "bls"
+    assert "bls calls plain (seen in its request traces), so plain's p99 is part of bls's" in planned["plain"].why
+    # a tighter own target stays
+    assert E.plan([view], {"plain": None}, {"plain": 30.0}, {})["plain"].target_ms == 30.0

@@ -1,6 +1,7 @@
 """Issue 15, "done when", CI size: `serve` on the mixed repository (scripts/scenarios/repos/mixed: an ensemble,
 a BLS model, a model without batching) under load at all three for 45 s: no request fails, no reload is refused
-or fails in the decision log, the ensemble is never reloaded, and `status` shows the ensemble with its step.
+or fails in the decision log, the ensemble is never reloaded, and `status` shows the ensemble with its step and
+the BLS model with the model it calls.
 The long version, with the ensemble's client p99 per minute against its target: scripts/mixed_repo.py."""
 from __future__ import annotations
 
@@ -28,3 +29,6 @@ def test_the_mixed_repository_serves_under_load_without_failures_or_refused_relo
     text = doc["status_text"] or ""
     assert "ens  READY  (target p99 25 ms, end to end; tuned through its steps)" in text, text
     assert "  step         ens_step: READY" in text and "bls  READY" in text and "plain  READY" in text, text
+    # bls passes its request's trace to its calls: the controller sees that it calls plain (controller/calls.py)
+    assert "  calls        plain (1.0 a request), seen in its request traces" in text, text
+    assert "  called by    bls, seen in their request traces" in text, text

@@ -10,20 +10,18 @@ a model without batching, a Python BLS model. The repository is built in a tmp f
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import threading
 
 import pytest
 
-from conftest import live_stubs, sim_copy, sim_gpu_memory_mib, start_server
+from conftest import live_stubs, running_controller, sim_copy, sim_gpu_memory_mib, start_server
 from controller import groups
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.gpu import SIM_GPU_MEMORY
-from controller.loop import Controller
 from controller.signals import Scraper
 
 ENSEMBLE = """name: "ens"
@@ -115,20 +113,6 @@ def _load(server, model, rate_rps: float, seconds: float, out: list, seed=5):
     out.extend(run_open_loop_sync(server.grpc_url, model, schedule, inputs_from_config(cfg), timeout_s=10.0))
 
 
-@contextlib.contextmanager
-def running(cfg: ControllerConfig):
-    controller = Controller(cfg)
-    stop = threading.Event()
-    thread = threading.Thread(target=controller.run, args=(stop,))
-    thread.start()
-    try:
-        yield controller
-    finally:
-        stop.set()
-        thread.join()
-        controller.close()
-
-
 def _memory_evidence(server) -> str:
     """What the simulated GPUs' memory reading is made of, for a failure message: the server's
     sim_gpu<k>_memory_bytes series (labelled by instance and stub pid) and its stub processes alive now."""
@@ -154,7 +138,7 @@ def test_ensemble_is_never_reloaded_and_its_step_grows_on_the_two_simulated_gpus
     assert groups.instances_per_device(live) == {"gpu0": 1, "gpu1": 1}
     cfg = _config(repo_server, tmp_path, {"ens": _limits(), "sim2": _limits()})
     results: list = []
-    with running(cfg) as controller:
+    with running_controller(cfg) as controller:
         _load(repo_server, "ens", rate_rps=200, seconds=25, out=results)
     failed = [r for r in results if not r.ok]
     assert results and not failed, failed[:3]
@@ -190,7 +174,7 @@ def test_ensemble_is_never_reloaded_and_its_step_grows_on_the_two_simulated_gpus
 def test_a_model_without_batching_only_changes_instances(repo_server, tmp_path):
     cfg = _config(repo_server, tmp_path, {"plain": _limits()})
     results: list = []
-    with running(cfg) as controller:
+    with running_controller(cfg) as controller:
         _load(repo_server, "plain", rate_rps=130, seconds=20, out=results)
         mm = controller.models["plain"]
         assert mm.kind is not None and not mm.kind.delay and mm.kind.instances
@@ -204,7 +188,7 @@ def test_a_model_without_batching_only_changes_instances(repo_server, tmp_path):
 def test_a_bls_model_is_managed_and_serves_without_failures(repo_server, tmp_path):
     cfg = _config(repo_server, tmp_path, {"bls": _limits(max_instances=3)})
     results: list = []
-    with running(cfg) as controller:
+    with running_controller(cfg) as controller:
         _load(repo_server, "bls", rate_rps=60, seconds=12, out=results)
         mm = controller.models["bls"]
         assert mm.kind is not None and mm.kind.managed and mm.kind.backend == "python"
@@ -227,7 +211,7 @@ def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog
     cfg = _config(repo_server, tmp_path, {"ens": dataclasses.replace(_limits(), p99_target_ms=25.0)})
     cfg = dataclasses.replace(cfg, defaults=dataclasses.replace(_limits(), p99_target_ms=1000.0))
     results: list = []
-    with running(cfg) as controller:
+    with running_controller(cfg) as controller:
         _load(repo_server, "ens", rate_rps=200, seconds=25, out=results, seed=11)
         step = controller.models.get("sim2")
         assert step is not None and step.target_from is not None and step.target_from.ensemble == "ens"
@@ -276,7 +260,7 @@ def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_roo
     thread = threading.Thread(target=watch)
     thread.start()
     try:
-        with running(cfg):
+        with running_controller(cfg):
             _load(repo_server, "sim2", rate_rps=260, seconds=25, out=results, seed=13)
     finally:
         stop.set()

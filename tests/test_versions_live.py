@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 import urllib.request
 
 import pytest
 
-from conftest import sim_copy, start_server
+from conftest import running_controller, sim_copy, start_server
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
-from controller.loop import Controller
 from controller.server import version_change
 
 
@@ -61,35 +58,28 @@ def test_a_new_version_folder_holds_the_reloads_until_the_operator_loads_it(tmp_
                         gpu="simulated", owner_mark=False),
         models={"m": ModelLimits(p99_target_ms=15.0, max_instances=4, scale_up_cooldown_s=1.0,
                                  scale_down_delay_s=60.0, max_delay_us=0)})
-    controller = Controller(cfg)
-    stop = threading.Event()
-    thread = threading.Thread(target=controller.run, args=(stop,))
     try:
         shutil.copytree(repo / "m" / "1", repo / "m" / "2")       # the operator drops a new version in
-        thread.start()
-        held = _load(server, "m", rate_rps=220, seconds=10)        # enough to want a second instance
-        records = [json.loads(line) for line in log_path.read_text().splitlines()]
-        holds = [r for r in records if r["reason"] == "HoldVersionsMoved"]
-        assert holds, [(r["action"], r["reason"]) for r in records]
-        assert "version(s) 1 serve, and a reload now would load version(s) 2 of the repository and would unload " \
-               "version(s) 1" in holds[0]["detail"] and holds[0]["detail"].startswith("wanted ScaleUp"), holds[0]
-        assert not [r for r in records if r["action"] in ("started", "applied")]
-        assert ("m", "1", "READY") in _index(server) and ("m", "2", "READY") not in _index(server)
-        assert controller.models["m"].current.instance_count == 1
-        assert held and all(r.ok for r in held)
-        # the operator loads it (from the file: the newest version): the controller goes on, on version 2
-        TritonControl(server.grpc_url, server.http_url).load("m")
-        assert ("m", "2", "READY") in _index(server)
-        after = _load(server, "m", rate_rps=220, seconds=10)
-        records = [json.loads(line) for line in log_path.read_text().splitlines()]
-        ups = [r for r in records if r["action"] == "applied" and r["reason"].startswith("ScaleUp")]
-        assert ups, [(r["action"], r["reason"], r.get("detail", "")[:120]) for r in records][-10:]
-        assert controller.models["m"].current.instance_count >= 2
-        assert [e for e in _index(server) if e[2] == "READY"] == [("m", "2", "READY")]
-        assert after and all(r.ok for r in after)
+        with running_controller(cfg) as controller:
+            held = _load(server, "m", rate_rps=220, seconds=10)        # enough to want a second instance
+            records = [json.loads(line) for line in log_path.read_text().splitlines()]
+            holds = [r for r in records if r["reason"] == "HoldVersionsMoved"]
+            assert holds, [(r["action"], r["reason"]) for r in records]
+            assert "version(s) 1 serve, and a reload now would load version(s) 2 of the repository and would unload " \
+                   "version(s) 1" in holds[0]["detail"] and holds[0]["detail"].startswith("wanted ScaleUp"), holds[0]
+            assert not [r for r in records if r["action"] in ("started", "applied")]
+            assert ("m", "1", "READY") in _index(server) and ("m", "2", "READY") not in _index(server)
+            assert controller.models["m"].current.instance_count == 1
+            assert held and all(r.ok for r in held)
+            # the operator loads it (from the file: the newest version): the controller goes on, on version 2
+            TritonControl(server.grpc_url, server.http_url).load("m")
+            assert ("m", "2", "READY") in _index(server)
+            after = _load(server, "m", rate_rps=220, seconds=10)
+            records = [json.loads(line) for line in log_path.read_text().splitlines()]
+            ups = [r for r in records if r["action"] == "applied" and r["reason"].startswith("ScaleUp")]
+            assert ups, [(r["action"], r["reason"], r.get("detail", "")[:120]) for r in records][-10:]
+            assert controller.models["m"].current.instance_count >= 2
+            assert [e for e in _index(server) if e[2] == "READY"] == [("m", "2", "READY")]
+            assert after and all(r.ok for r in after)
     finally:
-        stop.set()
-        if thread.is_alive():
-            thread.join()
-        controller.close()
         server.stop()

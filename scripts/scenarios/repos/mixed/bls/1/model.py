@@ -17,8 +17,10 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
             rows, error = [], None
             for row in x:
+                # trace=: the call is traced as this request's child, so the controller sees that bls calls plain
                 answer = pb_utils.InferenceRequest(model_name=CALLEE, requested_output_names=["OUTPUT"],
-                                                   inputs=[pb_utils.Tensor("INPUT", row[None, :])]).exec()
+                                                   inputs=[pb_utils.Tensor("INPUT", row[None, :])],
+                                                   trace=request.trace()).exec()
                 if answer.has_error():
                     error = answer.error().message()
                     break

@@ -1,0 +1,63 @@
+"""Who calls whom, from request traces (controller/calls.py): no server."""
+from __future__ import annotations
+
+from controller.calls import CallGraph
+from controller.traces import TraceSample, parse_trace_text
+
+
+def s(trace_id, model, parent=None):
+    return TraceSample(model=model, end_s=0.0, latency_ms=1.0, request_ms=1.0, parent_id=parent, trace_id=trace_id)
+
+
+def test_the_docstrings_worked_example():
+    g = CallGraph()
+    g.add([s(1, "bls"), s(2, "plain", 1), s(3, "plain", 1), s(4, "bls"), s(5, "plain", 4)])
+    assert g.edges() == (("bls", "plain"),)
+    assert g.calls_per_request("bls", "plain") == 1.5
+    assert g.callees("bls") == ("plain",) and g.callers("plain") == ("bls",) and g.callees("plain") == ()
+    assert g.calls_per_request("plain", "bls") == 0.0
+
+
+def test_a_child_whose_parent_comes_in_a_later_file_is_counted_once_the_parent_is_seen():
+    g = CallGraph()
+    g.add([s(2, "plain", 1), s(3, "other", 1)])          # the children end first
+    assert g.edges() == ()
+    g.add([s(1, "bls"), s(5, "plain", 4)])
+    assert g.edges() == (("bls", "other"), ("bls", "plain"))
+    g.add([s(4, "bls")])
+    assert g.calls_per_request("bls", "plain") == 1.0 and g.calls_per_request("bls", "other") == 1.0
+
+
+def test_a_request_is_counted_once_per_callee_across_polls():
+    g = CallGraph()
+    g.add([s(1, "bls"), s(2, "plain", 1)])
+    g.add([s(3, "plain", 1), s(4, "plain", 1)])         # more calls of the same request, in a later file
+    assert g.calls_per_request("bls", "plain") == 3.0
+
+
+def test_memory_is_bounded_and_a_self_call_adds_no_edge():
+    g = CallGraph(keep=10)
+    g.add([s(i, "m", i - 1 if i % 2 else None) for i in range(1000)])
+    assert g.edges() == ()
+    assert len(g._model_of) <= 10 and len(g._waiting) <= 10 and len(g._counted) <= 10
+    g.add([s(2000 + i, "child", 5000 + i) for i in range(100)])     # parents never seen
+    assert len(g._waiting) <= 10 and g.edges() == ()
+
+
+def test_forget_drops_a_models_edges():
+    g = CallGraph()
+    g.add([s(1, "a"), s(2, "b", 1), s(3, "c"), s(4, "d", 3)])
+    g.forget("b")
+    assert g.edges() == (("c", "d"),)
+
+
+def test_samples_parsed_from_a_trace_file_carry_their_ids():
+    text = ('[{"id": 7, "model_name": "bls", "model_version": 1},'
+            '{"id": 8, "model_name": "plain", "model_version": 1, "parent_id": 7},'
+            '{"id": 7, "timestamps": [{"name": "REQUEST_START", "ns": 1000}, {"name": "REQUEST_END", "ns": 9000000}]},'
+            '{"id": 8, "timestamps": [{"name": "REQUEST_START", "ns": 2000}, {"name": "REQUEST_END", "ns": 5000000}]}]')
+    samples = parse_trace_text(text)
+    assert [(x.model, x.trace_id, x.parent_id) for x in samples] == [("bls", 7, None), ("plain", 8, 7)]
+    g = CallGraph()
+    g.add(samples)
+    assert g.edges() == (("bls", "plain"),)

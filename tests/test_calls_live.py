@@ -1,0 +1,48 @@
+"""A BLS model's calls, seen in the request traces of a real 2.51 (controller/calls.py): `bls` of the mixed
+repository calls `plain` once per row, passing its request's trace on (`trace=request.trace()`). The controller,
+told only of `bls`, learns the call, manages `plain` under `bls`'s target (its own, the defaults', is looser),
+and `status` says both."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT, running_controller, start_server
+from controller.actuation import TritonControl
+from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+from controller.status import format_model
+
+MIXED = ROOT / "scripts" / "scenarios" / "repos" / "mixed"
+
+
+@pytest.mark.slow
+def test_a_bls_models_callee_is_found_in_its_traces_and_runs_under_its_target(tmp_path):
+    server = start_server(["bls", "plain"], repository=MIXED)
+    cfg = ControllerConfig(
+        server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0,
+                        decision_log=str(tmp_path / "decisions.jsonl"), gpu="simulated", owner_mark=False),
+        defaults=ModelLimits(p99_target_ms=1000.0),
+        models={"bls": ModelLimits(p99_target_ms=60.0, max_instances=2)})
+    try:
+        with running_controller(cfg) as controller:
+            trace = load_trace({"phases": [{"name": "busy", "duration_s": 12.0, "rate_rps": 20.0}]})
+            schedule = poisson_schedule(trace, seed=5, max_requests=480)
+            model_cfg = TritonControl(server.grpc_url, server.http_url).config("bls")
+            records = run_open_loop_sync(server.grpc_url, "bls", schedule, inputs_from_config(model_cfg),
+                                         timeout_s=10.0)
+            assert records and all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
+            assert controller.calls.edges() == (("bls", "plain"),)
+            assert controller.calls.calls_per_request("bls", "plain") == 1.0      # one row a request: one call
+            plain = controller.models.get("plain")
+            assert plain is not None, "plain is managed as a model bls calls"
+            assert plain.limits.p99_target_ms == 60.0 and plain.target_from is not None
+            assert plain.target_from.ensemble == "bls" and "bls calls plain" in plain.target_from.why
+            snap = controller.status_snapshot()["models"]
+            assert snap["bls"]["calls"] == {"plain": 1.0} and snap["plain"]["called_by"] == ["bls"]
+            text = "\n".join(format_model("plain", {**snap["plain"], "state": "READY"}))
+            called_by = [ln.split() for ln in text.splitlines() if ln.strip().startswith("called by")]
+            assert "(target p99 60.0 ms from bls" in text, text
+            assert called_by == [["called", "by", "bls,", "seen", "in", "their", "request", "traces"]], text
+    finally:
+        server.stop()
