@@ -61,3 +61,17 @@ def test_samples_parsed_from_a_trace_file_carry_their_ids():
     g = CallGraph()
     g.add(samples)
     assert g.edges() == (("bls", "plain"),)
+
+
+def test_bls_checks_untraced_arm_differs_from_the_shipped_bls_only_by_the_trace_argument(tmp_path):
+    from conftest import load_script
+    bls_check = load_script("bls_check")
+    bls_check.make_repo(tmp_path / "traced", traced=True)
+    bls_check.make_repo(tmp_path / "untraced", traced=False)
+    traced = (tmp_path / "traced" / "bls" / "1" / "model.py").read_text()
+    untraced = (tmp_path / "untraced" / "bls" / "1" / "model.py").read_text()
+    assert "trace=request.trace()" in traced and "trace=" not in untraced.replace("# trace=", "")
+    assert untraced == traced.replace("trace=request.trace()", "")
+    compile(untraced, "model.py", "exec")
+    plain = tmp_path / "untraced" / "plain" / "1" / "model.py"
+    assert plain.is_file() and not plain.is_symlink()          # the shipped one is a relative link
