@@ -75,3 +75,58 @@ def test_bls_checks_untraced_arm_differs_from_the_shipped_bls_only_by_the_trace_
     compile(untraced, "model.py", "exec")
     plain = tmp_path / "untraced" / "plain" / "1" / "model.py"
     assert plain.is_file() and not plain.is_symlink()          # the shipped one is a relative link
+
+
+class _FeedOnce:
+    """A TraceFeed stand-in whose first poll returns `samples` (the loop routes them and learns the calls)."""
+
+    def __init__(self, samples):
+        self.samples, self.state = list(samples), "on"
+
+    def poll(self, now, traffic):
+        out: dict = {}
+        for x in self.samples:
+            out.setdefault(x.model, []).append(x)
+        self.samples = []
+        return out
+
+    def start(self):
+        pass
+
+    def adapt(self, model, arrival_rps, now):
+        pass
+
+    def describe(self, model):
+        return "on"
+
+    def forget(self, model):
+        pass
+
+    def stop(self):
+        pass
+
+
+def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_their_config():
+    """Only `bls` is named (60 ms); the traces show bls calling plain, and ens (an ensemble) its step: plain is
+    managed under bls's target; ens's steps are not shown as its calls (they are its steps)."""
+    from controller.config import ControllerConfig, ModelLimits, ServerConfig
+    from controller.loop import Controller
+    from test_ensemble import ENS
+    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, model_config, run_ticks
+    clock = Clock()
+    control = FakeControl(["bls", "plain", "ens", "net"])
+    control.configs.update(ens=ENS, net=model_config("net"))
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=ModelLimits(p99_target_ms=1000.0),
+                           models={"bls": ModelLimits(p99_target_ms=60.0), "ens": ModelLimits(p99_target_ms=40.0)})
+    fakes = {m: FakeModel(20, 5, 4) for m in ("bls", "plain", "ens", "net")}
+    feed = _FeedOnce([s(1, "bls"), s(2, "plain", 1), s(3, "ens"), s(4, "net", 3)])
+    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=feed)
+    run_ticks(ctl, clock, 4)
+    assert ctl.calls.edges() == (("bls", "plain"), ("ens", "net"))
+    plain = ctl.models["plain"]
+    assert plain.limits.p99_target_ms == 60.0 and plain.target_from.ensemble == "bls"
+    snap = ctl.status_snapshot()["models"]
+    assert snap["bls"]["calls"] == {"plain": 1.0} and snap["plain"]["called_by"] == ["bls"]
+    assert snap["ens"]["calls"] is None and snap["net"]["called_by"] is None
+    assert snap["net"]["target_ensemble"] == "ens"
+    ctl.close()
