@@ -15,18 +15,25 @@ first, and the server writes a file every `log_frequency` traces), so the ids of
 children still waiting for their parent are kept, each bounded (`KEEP` ids).
 
 `calls_per_request` is the mean number of calls a caller's traced request made, over the requests that made
-at least one. A caller that calls only now and then is counted as calling every time: the count divides the
-caller's target among the calls (controller/ensemble.py), so erring high asks more of the callee, not less.
+at least one. `calls_in_sequence` is how many of them the request waits for one after the other: a caller
+that sends its calls at once (`exec_async`, a fan-out) waits for about one call's time, not for all of them.
+From each request's calls' intervals (REQUEST_START -> REQUEST_END, on the server's clock): the calls a request
+times the time they cover (their union) over their summed time, between 1 and the calls a request. That is
+the count the caller's target is divided by (controller/ensemble.py). A caller that calls only now and then is
+counted as calling every time: erring high asks more of the callee, not less.
 
 Worked example: traces 1 (model `bls`), 2 and 3 (model `plain`, parent 1), 4 (`bls`), 5 (`plain`, parent 4)
-give the edge bls -> plain with 3 calls over 2 requests: `calls_per_request("bls", "plain") == 1.5`.
+give the edge bls -> plain with 3 calls over 2 requests: `calls_per_request("bls", "plain") == 1.5`. Were 2 and
+3 each 10 ms, one after the other (0-10 and 10-20 ms), and 5 10 ms, the calls cover 30 ms of their 30: 1.5 in
+sequence; were 2 and 3 at the same time (0-10 ms both), they cover 20 ms of 30: 1.5 x 20 / 30 = 1.0.
 
 An edge stays for the controller's life (a caller gone quiet still calls when its traffic returns), until
 `forget` drops a model that was unloaded.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import math
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -39,14 +46,27 @@ KEEP = 20_000    # recent trace ids remembered, and children waiting for their p
 class _Edge:
     calls: int = 0          # the callee's traced requests made by the caller's
     requests: int = 0       # the caller's traced requests that made at least one of them
+    call_ms: float = 0.0    # the calls' request times, summed
+    span_ms: float = 0.0    # per caller's request, the time covered by its calls (their union), summed
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    """The length in ms of the union of (start_s, end_s) intervals."""
+    total, reach = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return 1000.0 * total
 
 
 class CallGraph:
     def __init__(self, keep: int = KEEP):
         self.keep = keep
-        self._model_of: OrderedDict[int, str] = OrderedDict()          # trace id -> its model
-        self._waiting: OrderedDict[int, Counter[str]] = OrderedDict()  # parent id -> its children's models
-        self._counted: OrderedDict[int, set[str]] = OrderedDict()      # parent id -> callees already counted
+        self._model_of: OrderedDict[int, str] = OrderedDict()                  # trace id -> its model
+        self._waiting: OrderedDict[int, list[TraceSample]] = OrderedDict()     # parent id -> children seen so far
+        # parent id -> callee -> (its calls' intervals, the union counted so far)
+        self._counted: OrderedDict[int, dict[str, tuple[list[tuple[float, float]], float]]] = OrderedDict()
         self._edges: dict[tuple[str, str], _Edge] = {}
 
     def add(self, samples: Iterable[TraceSample]) -> None:
@@ -57,15 +77,14 @@ class CallGraph:
         for s in samples:
             if s.parent_id is None:
                 continue
-            parent = self._model_of.get(s.parent_id)
-            if parent is None:
-                self._remember(self._waiting, s.parent_id, self._waiting.get(s.parent_id) or Counter())
-                self._waiting[s.parent_id][s.model] += 1
+            if s.parent_id in self._model_of:
+                self._count(s.parent_id, s)
             else:
-                self._count(s.parent_id, parent, s.model, 1)
+                self._remember(self._waiting, s.parent_id, self._waiting.get(s.parent_id) or [])
+                self._waiting[s.parent_id].append(s)
         for pid in [p for p in self._waiting if p in self._model_of]:
-            for child, n in self._waiting.pop(pid).items():
-                self._count(pid, self._model_of[pid], child, n)
+            for child in self._waiting.pop(pid):
+                self._count(pid, child)
 
     def _remember(self, d: OrderedDict, key: int, value) -> None:
         d[key] = value
@@ -73,18 +92,24 @@ class CallGraph:
         while len(d) > self.keep:
             d.popitem(last=False)
 
-    def _count(self, parent_id: int, parent: str, child: str, n: int) -> None:
-        if parent == child:
+    def _count(self, parent_id: int, child: TraceSample) -> None:
+        parent = self._model_of[parent_id]
+        if parent == child.model:
             return    # why: a model calling itself adds no edge a target could follow
-        edge = self._edges.setdefault((parent, child), _Edge())
-        edge.calls += n
-        seen = self._counted.get(parent_id)
-        if seen is None:
-            seen = set()
-            self._remember(self._counted, parent_id, seen)
-        if child not in seen:
-            seen.add(child)
+        edge = self._edges.setdefault((parent, child.model), _Edge())
+        edge.calls += 1
+        edge.call_ms += child.request_ms
+        per_callee = self._counted.get(parent_id)
+        if per_callee is None:
+            per_callee = {}
+            self._remember(self._counted, parent_id, per_callee)
+        intervals, counted = per_callee.get(child.model, ([], 0.0))
+        if not intervals:
             edge.requests += 1
+        intervals.append((child.end_s - child.request_ms / 1000.0, child.end_s))
+        union = _union_ms(intervals)
+        edge.span_ms += union - counted
+        per_callee[child.model] = (intervals, union)
 
     def callees(self, model: str) -> tuple[str, ...]:
         """The models `model` was seen calling, by name."""
@@ -100,6 +125,15 @@ class CallGraph:
         """Mean calls of `callee` per traced request of `caller` that made one (0.0: never seen)."""
         e = self._edges.get((caller, callee))
         return e.calls / e.requests if e is not None and e.requests else 0.0
+
+    def calls_in_sequence(self, caller: str, callee: str) -> float:
+        """How many of those calls a request waits for one after the other: the calls a request, times the time
+        they cover (their union) over their summed time; 1.0 to calls_per_request (0.0: never seen)."""
+        e = self._edges.get((caller, callee))
+        if e is None or not e.requests:
+            return 0.0
+        k = e.calls / e.requests
+        return k if e.call_ms <= 0 else min(k, max(1.0, k * e.span_ms / e.call_ms))
 
     def forget(self, model: str) -> None:
         """A model unloaded: its edges go (they are learned again if it returns and calls)."""

@@ -64,13 +64,14 @@ def step_targets(ensemble: str, target_ms: float, ens_obs: Observation | None, s
                  calls: Mapping[str, float] | None = None) -> dict[str, StepTarget] | None:
     """Each step's target under this ensemble (see the module's doc); None when the data do not say.
 
-    `calls`: `ensemble` is a model that calls its `steps` (BLS, controller/calls.py), with the mean calls of
-    each per request of its own. Then the caller has a queue and instances of its own: where it queues at least
-    as long as the callee that queues longest, its own instances are what helps and no callee's target is cut
-    (each keeps its capped own). A callee called k times a request gets 1/k of what the caller leaves:
-    (target - rest) / k, rest being the caller's mean request time less k times the callee's; an excess over
-    the target is cut from each call's p99 by excess / k. Worked example: bls, target 60 ms, mean 40 ms, p99 50
-    ms, queue 0.5 ms, calls plain twice a request; plain mean 15 ms, queue 6 ms: rest = 40 - 2 x 15 = 10 ms, so
+    `calls`: `ensemble` is a model that calls its `steps` (BLS, controller/calls.py), with the calls of each
+    that a request of its own waits for one after the other (`CallGraph.calls_in_sequence`). Then the caller
+    has a queue and instances of its own: where it queues at least as long as the callee that queues longest,
+    its own instances are what helps and no callee's target is cut (each keeps its capped own). A callee
+    waited for k times a request gets 1/k of what the caller leaves: (target - rest) / k, rest being the
+    caller's mean request time less k times the callee's; an excess over the target is cut from each call's
+    p99 by excess / k. Worked example: bls, target 60 ms, mean 40 ms, p99 50 ms, queue 0.5 ms, calls plain
+    twice a request, one call after the other; plain mean 15 ms, queue 6 ms: rest = 40 - 2 x 15 = 10 ms, so
     plain's target is (60 - 10) / 2 = 25 ms."""
     out = {s: StepTarget(s, own[s]) for s in steps if s in own}
     if ens_obs is None or not ens_obs.valid or ens_obs.p99_ms is None:
@@ -128,8 +129,8 @@ def settle(previous_ms: float, new_ms: float, own_ms: float) -> float:
 
 @dataclass(frozen=True)
 class EnsembleView:
-    """An ensemble and its steps, or a model that calls others (BLS) and its callees (`calls` set: the mean calls
-    of each callee per request of the caller, from its request traces; controller/calls.py)."""
+    """An ensemble and its steps, or a model that calls others (BLS) and its callees (`calls` set: the calls of
+    each callee a request of the caller waits for one after the other, from its request traces; controller/calls.py)."""
     name: str
     target_ms: float
     obs: Observation | None

@@ -437,7 +437,7 @@ class Controller:
                             if (cm := self.models.get(c)) is None or cm.kind is None or cm.kind.managed)
             if callees:
                 views.append(ensemble.EnsembleView(mm.name, mm.limits.p99_target_ms, mm.last_obs, callees,
-                                                   {c: self.calls.calls_per_request(caller, c) for c in callees}))
+                                                   {c: self.calls.calls_in_sequence(caller, c) for c in callees}))
         return views
 
     def _pass_ensemble_targets(self, now: float) -> None:
@@ -943,7 +943,9 @@ class Controller:
             # who calls whom (BLS), as the request traces showed it: {model: calls a request}, [callers]; an
             # ensemble's steps are shown as such (ensemble_steps)
             models[mm.name]["calls"] = None if self._is_ensemble(mm.name) else {
-                c: round(self.calls.calls_per_request(mm.name, c), 2) for c in self.calls.callees(mm.name)} or None
+                c: {"per_request": round(self.calls.calls_per_request(mm.name, c), 2),
+                    "in_sequence": round(self.calls.calls_in_sequence(mm.name, c), 2)}
+                for c in self.calls.callees(mm.name)} or None
             models[mm.name]["called_by"] = [c for c in self.calls.callers(mm.name) if not self._is_ensemble(c)] or None
         loop, s = self.config.loop, self.config.server
         snap = {"interval_s": loop.interval_s, "window_s": loop.window_s, "dry_run": loop.dry_run,

@@ -300,6 +300,16 @@ def format_header(doc: dict) -> list[str]:
     return lines
 
 
+def _calls_text(callee: str, k: dict) -> str:
+    """"plain (1.0 a request)", or "plain (4.0 a request, 1.2 of them in sequence)" where a request sends its
+    calls at once (controller/calls.py)."""
+    each, serial = k.get("per_request"), k.get("in_sequence")
+    text = f"{callee} ({_num(each, 1)} a request"
+    if isinstance(each, (int, float)) and isinstance(serial, (int, float)) and each - serial >= 0.05:
+        text += f", {_num(serial, 1)} of them in sequence"
+    return text + ")"
+
+
 def _step_line(step: str, s: dict | None, ensemble: str) -> str:
     """One step of an ensemble, as the ensemble's block shows it: instances, p99 against the target it runs under."""
     if not s:
@@ -374,7 +384,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
     if m.get("target_from"):    # an ensemble's or a caller's target passed to this model (controller/ensemble.py)
         rows.append(("target", m["target_from"]))
     if m.get("calls"):          # a model seen calling others (BLS) in its request traces (controller/calls.py)
-        rows.append(("calls", ", ".join(f"{c} ({_num(k, 1)} a request)" for c, k in m["calls"].items())
+        rows.append(("calls", ", ".join(_calls_text(c, k) for c, k in m["calls"].items())
                      + ", seen in its request traces: their latency is part of this model's"))
     if m.get("called_by"):
         rows.append(("called by", ", ".join(m["called_by"]) + ", seen in their request traces"))

@@ -126,7 +126,44 @@ def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_
     plain = ctl.models["plain"]
     assert plain.limits.p99_target_ms == 60.0 and plain.target_from.ensemble == "bls"
     snap = ctl.status_snapshot()["models"]
-    assert snap["bls"]["calls"] == {"plain": 1.0} and snap["plain"]["called_by"] == ["bls"]
+    assert snap["bls"]["calls"] == {"plain": {"per_request": 1.0, "in_sequence": 1.0}}
+    assert snap["plain"]["called_by"] == ["bls"]
     assert snap["ens"]["calls"] is None and snap["net"]["called_by"] is None
     assert snap["net"]["target_ensemble"] == "ens"
     ctl.close()
+
+
+def timed(trace_id, model, parent, start_ms, ms):
+    return TraceSample(model=model, end_s=(start_ms + ms) / 1000.0, latency_ms=ms, request_ms=ms, parent_id=parent,
+                       trace_id=trace_id)
+
+
+def test_calls_sent_at_once_count_as_one_in_sequence_the_docstrings_example():
+    one_after_the_other = CallGraph()
+    one_after_the_other.add([s(1, "bls"), timed(2, "plain", 1, 0, 10), timed(3, "plain", 1, 10, 10),
+                             s(4, "bls"), timed(5, "plain", 4, 50, 10)])
+    assert one_after_the_other.calls_per_request("bls", "plain") == 1.5
+    assert one_after_the_other.calls_in_sequence("bls", "plain") == 1.5
+    at_once = CallGraph()
+    at_once.add([s(1, "bls"), timed(2, "plain", 1, 0, 10), timed(3, "plain", 1, 0, 10),
+                 s(4, "bls"), timed(5, "plain", 4, 50, 10)])
+    assert at_once.calls_per_request("bls", "plain") == 1.5
+    assert abs(at_once.calls_in_sequence("bls", "plain") - 1.0) < 1e-9
+
+
+def test_a_fan_out_split_across_files_is_counted_by_its_union():
+    """Eight calls at once, half of them in a later file: the union is 12 ms (the calls overlap), so one of eight in
+    sequence, however the calls arrive."""
+    g = CallGraph()
+    g.add([s(1, "bls")] + [timed(10 + i, "net", 1, i * 0.25, 11) for i in range(4)])
+    g.add([timed(20 + i, "net", 1, 1 + i * 0.25, 11) for i in range(4)])
+    assert g.calls_per_request("bls", "net") == 8.0
+    assert abs(g.calls_in_sequence("bls", "net") - 8 * 12.75 / 88) < 1e-9 and g.calls_in_sequence("bls", "net") >= 1.0
+
+
+def test_status_shows_the_calls_in_sequence_where_a_request_sends_them_at_once():
+    from controller.status import format_model
+    m = {"state": "READY", "calls": {"net": {"per_request": 8.0, "in_sequence": 1.16},
+                                     "plain": {"per_request": 1.0, "in_sequence": 1.0}}}
+    line = next(ln for ln in format_model("bls", m) if ln.strip().startswith("calls"))
+    assert "net (8.0 a request, 1.2 of them in sequence), plain (1.0 a request), seen in its request traces" in line

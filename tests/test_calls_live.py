@@ -1,8 +1,11 @@
 """A BLS model's calls, seen in the request traces of a real 2.51 (controller/calls.py): `bls` of the mixed
 repository calls `plain` once per row, passing its request's trace on (`trace=request.trace()`). The controller,
 told only of `bls`, learns the call, manages `plain` under `bls`'s target (its own, the defaults', is looser),
-and `status` says both."""
+and `status` says both. A caller that sends its calls at once (`async_exec`) is seen waiting for fewer of them
+in sequence than it sends."""
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -39,10 +42,64 @@ def test_a_bls_models_callee_is_found_in_its_traces_and_runs_under_its_target(tm
             assert plain.limits.p99_target_ms == 60.0 and plain.target_from is not None
             assert plain.target_from.ensemble == "bls" and "bls calls plain" in plain.target_from.why
             snap = controller.status_snapshot()["models"]
-            assert snap["bls"]["calls"] == {"plain": 1.0} and snap["plain"]["called_by"] == ["bls"]
+            assert snap["bls"]["calls"] == {"plain": {"per_request": 1.0, "in_sequence": 1.0}}
+            assert snap["plain"]["called_by"] == ["bls"]
             text = "\n".join(format_model("plain", {**snap["plain"], "state": "READY"}))
             called_by = [ln.split() for ln in text.splitlines() if ln.strip().startswith("called by")]
             assert "(target p99 60.0 ms from bls" in text, text
             assert called_by == [["called", "by", "bls,", "seen", "in", "their", "request", "traces"]], text
+    finally:
+        server.stop()
+
+
+FAN = """import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            calls = [pb_utils.InferenceRequest(model_name="plain", requested_output_names=["OUTPUT"],
+                                               inputs=[pb_utils.Tensor("INPUT", row[None, :])],
+                                               trace=request.trace()).async_exec() for row in x]
+            rows = [pb_utils.get_output_tensor_by_name(a, "OUTPUT").as_numpy()[0] for a in await asyncio.gather(*calls)]
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor("OUTPUT", np.stack(rows).astype(np.float32))]))
+        return responses
+"""
+
+
+@pytest.mark.slow
+def test_calls_sent_at_once_are_seen_as_fewer_in_sequence(tmp_path):
+    """`fan` sends each of a request's 4 rows to `plain` at once; `plain` has 4 instances (on a device of 2 slots):
+    4 calls a request, and the request waits for fewer than 4 call times."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MIXED / "plain", repo / "plain", symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
+    plain_cfg = repo / "plain" / "config.pbtxt"
+    plain_cfg.write_text(plain_cfg.read_text().replace("{ count: 1, kind: KIND_CPU }", "{ count: 4, kind: KIND_CPU }"))
+    shutil.copytree(MIXED / "bls", repo / "fan", ignore=shutil.ignore_patterns("__pycache__", "model.py"))
+    (repo / "fan" / "config.pbtxt").write_text((repo / "fan" / "config.pbtxt").read_text().replace('"bls"', '"fan"'))
+    (repo / "fan" / "1" / "model.py").write_text(FAN)
+    server = start_server(["fan", "plain"], repository=repo)
+    cfg = ControllerConfig(
+        server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, dry_run=True,
+                        decision_log=str(tmp_path / "decisions.jsonl"), gpu="simulated", owner_mark=False),
+        models={"fan": ModelLimits(p99_target_ms=100.0), "plain": ModelLimits(p99_target_ms=100.0, min_instances=4,
+                                                                              max_instances=4)})
+    try:
+        with running_controller(cfg) as controller:
+            trace = load_trace({"phases": [{"name": "busy", "duration_s": 8.0, "rate_rps": 10.0}]})
+            model_cfg = TritonControl(server.grpc_url, server.http_url).config("fan")
+            records = run_open_loop_sync(server.grpc_url, "fan", poisson_schedule(trace, seed=7, max_requests=200),
+                                         inputs_from_config(model_cfg, batch_size=4), timeout_s=10.0)
+            assert records and all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
+            assert controller.calls.edges() == (("fan", "plain"),)
+            assert controller.calls.calls_per_request("fan", "plain") == 4.0
+            # one call after the other would read 4.0; the calls' spans overlap here (measured once: 1.2)
+            assert 1.0 <= controller.calls.calls_in_sequence("fan", "plain") < 3.0
     finally:
         server.stop()
