@@ -435,9 +435,16 @@ class Controller:
                 continue
             callees = tuple(c for c in self.calls.callees(caller)
                             if (cm := self.models.get(c)) is None or cm.kind is None or cm.kind.managed)
-            if callees:
-                views.append(ensemble.EnsembleView(mm.name, mm.limits.p99_target_ms, mm.last_obs, callees,
-                                                   {c: self.calls.calls_in_sequence(caller, c) for c in callees}))
+            if not callees:
+                continue
+            # ensemble.py compares the caller's p99 with its callee's: where the caller's window reaches back before
+            # a callee's change it describes the old callee (an ensemble's window restarts instead; a caller has
+            # decisions of its own, which a restart would hold), so its callees keep their targets until it does not
+            fresh = max((cm.observer.fresh_from for c in callees if (cm := self.models.get(c)) is not None),
+                        default=-math.inf)
+            obs = mm.last_obs if mm.last_obs is not None and mm.last_obs.since >= fresh else None
+            views.append(ensemble.EnsembleView(mm.name, mm.limits.p99_target_ms, obs, callees,
+                                               {c: self.calls.calls_in_sequence(caller, c) for c in callees}))
         return views
 
     def _pass_ensemble_targets(self, now: float) -> None:

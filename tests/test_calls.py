@@ -130,6 +130,14 @@ def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_
     assert snap["plain"]["called_by"] == ["bls"]
     assert snap["ens"]["calls"] is None and snap["net"]["called_by"] is None
     assert snap["net"]["target_ensemble"] == "ens"
+    # plain changes: bls's window still reaches back before it, so plain keeps its target until bls's window does not
+    ctl._mark_change(plain, clock.t)
+    [view] = ctl._caller_views()
+    assert view.name == "bls" and view.obs is None
+    run_ticks(ctl, clock, 6)           # the window (4 s) now starts after the change
+    [view] = ctl._caller_views()
+    assert view.obs is not None and view.obs.since >= plain.observer.changed_at
+    assert plain.limits.p99_target_ms == 60.0
     ctl.close()
 
 
