@@ -365,6 +365,8 @@ class Controller:
             log.info("%s: %s; one window of warm-up (scale-ups only)", mm.name, adopted)
             mm.state = policy.restarted_state(mm.state, now)
             mm.observer.mark_change(now)
+            if mm.current is not None and live != mm.current:
+                self._callee_changed(mm)
         mm.current = live
         mm.reachable, mm.not_loaded = True, None
         return True
@@ -844,6 +846,19 @@ class Controller:
             if e.kind is not None and e.kind.ensemble and mm.name in e.kind.steps:
                 e.observer.mark_change(now)
 
+    def _callee_changed(self, mm: ManagedModel) -> None:
+        """`mm`'s instances or delay changed. A model that calls it (BLS) waits on it in each execution: the
+        service curves it measured at its other configurations were measured against the old `mm`, and would,
+        say, keep it at a count it no longer needs after `mm` grew. Only its live one, which goes on being fed
+        and follows the change, is kept (calls.py)."""
+        for caller in self.calls.callers(mm.name):
+            cm = self.models.get(caller)
+            if cm is not None and cm.kind is not None and cm.kind.managed and cm is not mm:
+                dropped = cm.observer.service.forget_except(cm.current)
+                if dropped:
+                    log.info("%s: dropped the service curves of %d other configuration(s): %s, which it calls, "
+                             "changed", caller, dropped, mm.name)
+
     def _after_apply(self, mm: ManagedModel, decision: Decision, before: Settings, obs: Observation,
                      result: ApplyResult, now: float) -> None:
         if decision.reason == "ClaimOwnership":
@@ -880,6 +895,8 @@ class Controller:
             mm.state = policy.record_applied(mm.state, decision, before, obs, now, result.seconds)
             mm.current = result.live
             self._mark_change(mm, now)
+            if result.live != before:
+                self._callee_changed(mm)
             self.metrics.reload(mm.name, result.kind)
             log.info("%s: %s -> %s (%s, %s in %.1f s) %s", mm.name, _fmt(before), _fmt(result.live), decision.reason,
                      result.kind, result.seconds, decision.detail)

@@ -514,6 +514,15 @@ class ServiceTimes:
             if sums[size][0] < MIN_WEIGHT:
                 del sums[size]
 
+    def forget_except(self, keep: Settings | None) -> int:
+        """Drop every configuration's curve but `keep`'s (the live one, which goes on being fed); the number
+        dropped. For a model whose executions wait on another's (a BLS model's calls, controller/calls.py) when that
+        other changed: the curves of its other configurations were measured against the old one."""
+        dropped = [c for c in self._sums if c != keep]
+        for c in dropped:
+            del self._sums[c], self._fed_at[c]
+        return len(dropped)
+
     # -- reading ---------------------------------------------------------------------------
     def configs(self) -> list[Settings]:
         """The configurations with data, least recently fed first."""

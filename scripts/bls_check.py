@@ -84,7 +84,10 @@ def run_arm(traced: bool, seconds: float, rates: dict[str, float], target_ms: fl
         serve.stop(timeout_s=60)
     decisions = read_rotated(decision_log)
     observations = read_rotated(work / "observations.jsonl")
-    out: dict = {"arm": "traced" if traced else "untraced", "serve_exit": serve.exit_code, "models": {}}
+    out: dict = {"arm": "traced" if traced else "untraced", "serve_exit": serve.exit_code, "models": {},
+                 # the controller's lines about the call: targets passed, curves dropped
+                 "serve_lines": [ln for ln in serve.tail().splitlines()
+                                 if any(k in ln for k in ("p99 target", "managed as", "dropped the service"))]}
     for model, load in loads.items():
         ok = [r for r in load.records if r.ok]
         lat = np.array([1000 * r.latency_s for r in ok])

@@ -106,9 +106,9 @@ class _FeedOnce:
         pass
 
 
-def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_their_config():
-    """Only `bls` is named (60 ms); the traces show bls calling plain, and ens (an ensemble) its step: plain is
-    managed under bls's target; ens's steps are not shown as its calls (they are its steps)."""
+def _bls_plain_controller():
+    """Only `bls` (60 ms) and `ens` (an ensemble of `net`, 40 ms) named; the traces show bls calling plain and ens
+    its step; 4 ticks run."""
     from controller.config import ControllerConfig, ModelLimits, ServerConfig
     from controller.loop import Controller
     from test_ensemble import ENS
@@ -122,6 +122,13 @@ def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_
     feed = _FeedOnce([s(1, "bls"), s(2, "plain", 1), s(3, "ens"), s(4, "net", 3)])
     ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=feed)
     run_ticks(ctl, clock, 4)
+    return ctl, clock
+
+
+def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_their_config():
+    """plain is managed under bls's target; ens's steps are not shown as its calls (they are its steps)."""
+    from test_loop_ticks import run_ticks
+    ctl, clock = _bls_plain_controller()
     assert ctl.calls.edges() == (("bls", "plain"), ("ens", "net"))
     plain = ctl.models["plain"]
     assert plain.limits.p99_target_ms == 60.0 and plain.target_from.ensemble == "bls"
@@ -175,3 +182,18 @@ def test_status_shows_the_calls_in_sequence_where_a_request_sends_them_at_once()
                                      "plain": {"per_request": 1.0, "in_sequence": 1.0}}}
     line = next(ln for ln in format_model("bls", m) if ln.strip().startswith("calls"))
     assert "net (8.0 a request, 1.2 of them in sequence), plain (1.0 a request), seen in its request traces" in line
+
+
+def test_a_callers_other_service_curves_go_when_its_callee_changes():
+    """bls's curve at 1 instance was measured while plain, which it waits on, was slower: kept, it would keep bls at
+    a count it no longer needs. Only the live curve stays, fed on."""
+    from controller.types import Settings
+    ctl, clock = _bls_plain_controller()
+    bls, plain = ctl.models["bls"], ctl.models["plain"]
+    live = bls.current
+    other = Settings(live.instance_count + 1, live.max_queue_delay_us)
+    bls.observer.service._accumulate(other, {1: (60, 60 * 40_000_000)}, 100.0)    # 60 executions of 40 ms
+    assert other in bls.observer.service.configs()
+    ctl._callee_changed(plain)
+    assert bls.observer.service.configs() in ([live], [])
+    ctl.close()

@@ -710,3 +710,18 @@ def test_live_cold_start_stays_out_of_the_curve_after_a_load_and_a_scale_up(tmp_
         if poller is not None:
             poller.stop()
         server.stop()
+
+
+def test_forget_except_keeps_only_the_live_curve_which_goes_on_being_fed():
+    """A BLS model's callee changed (controller/loop.py): its curves at other configurations were measured against
+    the old callee."""
+    times = ServiceTimes(settle_executions=0, min_executions=1, half_life_s=None)
+    for i, settings_i in enumerate((Settings(1, 0), Settings(2, 0), Settings(3, 0))):
+        times.add(settings_i, _stats({1: _ms(10 * i, 5.0)}), 2.0 * i)
+        times.add(settings_i, _stats({1: _ms(10 * i + 10, 5.0 + i)}), 2.0 * i + 1)
+    assert len(times.configs()) == 3
+    assert times.forget_except(Settings(2, 0)) == 2 and times.configs() == [Settings(2, 0)]
+    assert times.forget_except(Settings(2, 0)) == 0
+    times.add(Settings(2, 0), _stats({1: _ms(40, 6.0)}), 10.0)
+    assert times.fit(Settings(2, 0)) is not None and times.fit(Settings(1, 0)) is None
+    assert times.forget_except(None) == 1 and times.configs() == []
