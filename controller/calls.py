@@ -16,7 +16,7 @@ children still waiting for their parent are kept, each bounded (`KEEP` ids).
 
 `calls_per_request` is the mean number of calls a caller's traced request made, over the requests that made
 at least one. `calls_in_sequence` is how many of them the request waits for one after the other: a caller
-that sends its calls at once (`exec_async`, a fan-out) waits for about one call's time, not for all of them.
+that sends its calls at once (`async_exec`, a fan-out) waits for about one call's time, not for all of them.
 From each request's calls' intervals (REQUEST_START -> REQUEST_END, on the server's clock): the calls a request
 times the time they cover (their union) over their summed time, between 1 and the calls a request. That is
 the count the caller's target is divided by (controller/ensemble.py). A caller that calls only now and then is

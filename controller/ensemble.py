@@ -25,7 +25,7 @@ more instances (or a shorter delay) where requests wait. So, each tick:
    every step keeps the target it has: a gap in the data never hands a step back its looser own target.
 
 A model that calls others (BLS) is handled the same way once its request traces show the calls
-(controller/calls.py): its callees are its "steps", each called k times a request (`EnsembleView.calls`).
+(controller/calls.py): its callees are its "steps", each waited for k times a request (`EnsembleView.calls`).
 It differs from an ensemble in one way: it has a queue and instances of its own, so where it queues at
 least as long as any callee, no callee's target is cut (step_targets says how).
 
