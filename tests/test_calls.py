@@ -197,3 +197,38 @@ def test_a_callers_other_service_curves_go_when_its_callee_changes():
     ctl._callee_changed(plain)
     assert bls.observer.service.configs() in ([live], [])
     ctl.close()
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.floats(0, 1000), st.floats(0, 500)), min_size=1, max_size=6),
+                min_size=1, max_size=8),
+       st.integers(1, 3), st.booleans())
+def test_calls_in_sequence_stays_between_one_and_the_calls_a_request(requests, files, parents_first):
+    """Any calls (start ms, duration ms), any split into files, the parents' records before or after their calls':
+    1 <= in sequence <= calls a request, and the counts do not depend on the split."""
+    samples, whole = [], CallGraph()
+    next_id = 1
+    for calls in requests:
+        parent = next_id
+        samples.append(s(parent, "bls"))
+        for start, ms in calls:
+            next_id += 1
+            samples.append(timed(next_id, "plain", parent, start, ms))
+        next_id += 1
+    whole.add(samples)
+    split = CallGraph()
+    if parents_first:
+        split.add([x for x in samples if x.parent_id is None])
+    for i in range(files):            # the calls in pieces
+        split.add([x for j, x in enumerate(samples) if x.parent_id is not None and j % files == i])
+    if not parents_first:
+        split.add([x for x in samples if x.parent_id is None])
+    k = whole.calls_per_request("bls", "plain")
+    assert k == sum(len(c) for c in requests) / len(requests)
+    assert 1.0 <= whole.calls_in_sequence("bls", "plain") <= k + 1e-9
+    assert split.calls_per_request("bls", "plain") == k
+    assert abs(split.calls_in_sequence("bls", "plain") - whole.calls_in_sequence("bls", "plain")) < 1e-6
