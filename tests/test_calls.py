@@ -1,6 +1,9 @@
 """Who calls whom, from request traces (controller/calls.py): no server."""
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from controller.calls import CallGraph
 from controller.traces import TraceSample, parse_trace_text
 
@@ -197,10 +200,6 @@ def test_a_callers_other_service_curves_go_when_its_callee_changes():
     ctl._callee_changed(plain)
     assert bls.observer.service.configs() in ([live], [])
     ctl.close()
-
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)
