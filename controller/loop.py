@@ -354,18 +354,19 @@ class Controller:
         mm.sim_slots = _int_parameter(cfg, "device_parallelism")   # a simulated device's slots (sim_accel)
         mm.mark = mark_of(cfg)
         adopted = None
+        changed = mm.current is not None and live != mm.current
         if not mm.reachable:
             # why: the server may have restarted (counters reset, instances fresh): nothing learned before
             # the gap is trusted; a full window of warm-up (scale-ups only) like at start
             back = "READY on the server now" if mm.not_loaded else "server answers again"
             adopted = f"{back}; live config {_fmt(live)}"
-        elif mm.current is not None and live != mm.current:
+        elif changed:
             adopted = f"live config changed outside the controller ({_fmt(mm.current)} -> {_fmt(live)})"
         if adopted:
             log.info("%s: %s; one window of warm-up (scale-ups only)", mm.name, adopted)
             mm.state = policy.restarted_state(mm.state, now)
             mm.observer.mark_change(now)
-            if mm.current is not None and live != mm.current:
+            if changed:
                 self._callee_changed(mm)
         mm.current = live
         mm.reachable, mm.not_loaded = True, None

@@ -71,6 +71,19 @@ def running_controller(cfg):
         controller.close()
 
 
+def open_loop(server: TritonServer, model: str, rate_rps: float, seconds: float, seed: int,
+              batch_size: int = 1) -> list:
+    """Open-loop Poisson requests at `model` at `rate_rps` for `seconds` (inputs from its live config, `batch_size`
+    items each), each failed if not answered within 10 s; their records."""
+    from controller.actuation import TritonControl
+    from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
+    trace = load_trace({"phases": [{"name": "busy", "duration_s": seconds, "rate_rps": rate_rps}]})
+    schedule = poisson_schedule(trace, seed=seed, max_requests=int(rate_rps * seconds * 2))
+    cfg = TritonControl(server.grpc_url, server.http_url).config(model)
+    return run_open_loop_sync(server.grpc_url, model, schedule, inputs_from_config(cfg, batch_size=batch_size),
+                              timeout_s=10.0)
+
+
 def start_server(models: list[str], **kw) -> TritonServer:
     kw["extra_args"] = [f"--exit-timeout-secs={TEST_EXIT_TIMEOUT_S}", *kw.get("extra_args", [])]
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), models=models, **kw)

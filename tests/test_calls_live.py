@@ -9,10 +9,8 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, running_controller, start_server
-from controller.actuation import TritonControl
+from conftest import ROOT, open_loop, running_controller, start_server
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
-from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.status import format_model
 
 MIXED = ROOT / "scripts" / "scenarios" / "repos" / "mixed"
@@ -29,11 +27,7 @@ def test_a_bls_models_callee_is_found_in_its_traces_and_runs_under_its_target(tm
         models={"bls": ModelLimits(p99_target_ms=60.0, max_instances=2)})
     try:
         with running_controller(cfg) as controller:
-            trace = load_trace({"phases": [{"name": "busy", "duration_s": 12.0, "rate_rps": 20.0}]})
-            schedule = poisson_schedule(trace, seed=5, max_requests=480)
-            model_cfg = TritonControl(server.grpc_url, server.http_url).config("bls")
-            records = run_open_loop_sync(server.grpc_url, "bls", schedule, inputs_from_config(model_cfg),
-                                         timeout_s=10.0)
+            records = open_loop(server, "bls", rate_rps=20.0, seconds=12.0, seed=5)
             assert records and all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
             assert controller.calls.edges() == (("bls", "plain"),)
             assert controller.calls.calls_per_request("bls", "plain") == 1.0      # one row a request: one call
@@ -92,10 +86,7 @@ def test_calls_sent_at_once_are_seen_as_fewer_in_sequence(tmp_path):
                                                                               max_instances=4)})
     try:
         with running_controller(cfg) as controller:
-            trace = load_trace({"phases": [{"name": "busy", "duration_s": 8.0, "rate_rps": 10.0}]})
-            model_cfg = TritonControl(server.grpc_url, server.http_url).config("fan")
-            records = run_open_loop_sync(server.grpc_url, "fan", poisson_schedule(trace, seed=7, max_requests=200),
-                                         inputs_from_config(model_cfg, batch_size=4), timeout_s=10.0)
+            records = open_loop(server, "fan", rate_rps=10.0, seconds=8.0, seed=7, batch_size=4)
             assert records and all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
             assert controller.calls.edges() == (("fan", "plain"),)
             assert controller.calls.calls_per_request("fan", "plain") == 4.0

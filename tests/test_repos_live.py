@@ -16,11 +16,10 @@ import threading
 
 import pytest
 
-from conftest import live_stubs, running_controller, sim_copy, sim_gpu_memory_mib, start_server
+from conftest import live_stubs, open_loop, running_controller, sim_copy, sim_gpu_memory_mib, start_server
 from controller import groups
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
-from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.gpu import SIM_GPU_MEMORY
 from controller.signals import Scraper
 
@@ -107,10 +106,7 @@ def _limits(max_instances=4):
 
 
 def _load(server, model, rate_rps: float, seconds: float, out: list, seed=5):
-    trace = load_trace({"phases": [{"name": "busy", "duration_s": seconds, "rate_rps": rate_rps}]})
-    schedule = poisson_schedule(trace, seed=seed, max_requests=int(rate_rps * seconds * 2))
-    cfg = TritonControl(server.grpc_url, server.http_url).config(model)
-    out.extend(run_open_loop_sync(server.grpc_url, model, schedule, inputs_from_config(cfg), timeout_s=10.0))
+    out.extend(open_loop(server, model, rate_rps, seconds, seed))
 
 
 def _memory_evidence(server) -> str:

@@ -10,10 +10,9 @@ import urllib.request
 
 import pytest
 
-from conftest import running_controller, sim_copy, start_server
+from conftest import open_loop, running_controller, sim_copy, start_server
 from controller.actuation import TritonControl
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
-from controller.evaluation.loadgen import inputs_from_config, load_trace, poisson_schedule, run_open_loop_sync
 from controller.server import version_change
 
 
@@ -38,13 +37,6 @@ def _index(server) -> list[tuple[str, str, str]]:
         return sorted((e["name"], e.get("version", ""), e.get("state", "")) for e in json.load(r))
 
 
-def _load(server, model: str, rate_rps: float, seconds: float) -> list:
-    trace = load_trace({"phases": [{"name": "busy", "duration_s": seconds, "rate_rps": rate_rps}]})
-    schedule = poisson_schedule(trace, seed=3, max_requests=int(rate_rps * seconds * 2))
-    cfg = TritonControl(server.grpc_url, server.http_url).config(model)
-    return run_open_loop_sync(server.grpc_url, model, schedule, inputs_from_config(cfg), timeout_s=10.0)
-
-
 @pytest.mark.slow
 def test_a_new_version_folder_holds_the_reloads_until_the_operator_loads_it(tmp_path):
     repo = tmp_path / "repo"
@@ -61,7 +53,7 @@ def test_a_new_version_folder_holds_the_reloads_until_the_operator_loads_it(tmp_
     try:
         shutil.copytree(repo / "m" / "1", repo / "m" / "2")       # the operator drops a new version in
         with running_controller(cfg) as controller:
-            held = _load(server, "m", rate_rps=220, seconds=10)        # enough to want a second instance
+            held = open_loop(server, "m", rate_rps=220, seconds=10, seed=3)        # enough to want a second instance
             records = [json.loads(line) for line in log_path.read_text().splitlines()]
             holds = [r for r in records if r["reason"] == "HoldVersionsMoved"]
             assert holds, [(r["action"], r["reason"]) for r in records]
@@ -74,7 +66,7 @@ def test_a_new_version_folder_holds_the_reloads_until_the_operator_loads_it(tmp_
             # the operator loads it (from the file: the newest version): the controller goes on, on version 2
             TritonControl(server.grpc_url, server.http_url).load("m")
             assert ("m", "2", "READY") in _index(server)
-            after = _load(server, "m", rate_rps=220, seconds=10)
+            after = open_loop(server, "m", rate_rps=220, seconds=10, seed=3)
             records = [json.loads(line) for line in log_path.read_text().splitlines()]
             ups = [r for r in records if r["action"] == "applied" and r["reason"].startswith("ScaleUp")]
             assert ups, [(r["action"], r["reason"], r.get("detail", "")[:120]) for r in records][-10:]
