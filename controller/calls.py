@@ -1,4 +1,4 @@
-"""Which model calls which, learned from request traces (pure).
+"""Which model calls which, learned from request traces (pure), or read in a Python model's source.
 
 A Python model that calls other models (BLS, `pb_utils.InferenceRequest(...).exec()`) has the config of any
 Python model: nothing in it names its callees (controller/modelkind.py). Its requests' latency holds theirs,
@@ -29,17 +29,35 @@ sequence; were 2 and 3 at the same time (0-10 ms both), they cover 20 ms of 30: 
 
 An edge stays for the controller's life (a caller gone quiet still calls when its traffic returns), until
 `forget` drops a model that was unloaded.
+
+**A caller that does not pass its trace on** (`pb_utils.InferenceRequest(...)` without `trace=`) leaves no
+`parent_id`, so its calls are not in the traces at all, and its callee would run under its own (often the
+defaults' loose) target while every request of the caller waits on it. Where this machine can read the
+repository (serve's; `server.repository` for `run`), `named_in_source` reads the Python model's own `.py`
+files: one that builds an `InferenceRequest` and holds a string constant equal to the name of another model of
+the repository (`CALLEE = "plain"`, `model_name="plain"`) is taken to call it. `CallGraph.declare` records
+such an edge; until the traces show it, it counts as one call a request, one in sequence (the least a caller
+that calls can make), and `traced` says it was not measured. A name built at run time (read from the model's
+parameters, say) is not found; a constant naming a model the code never calls is taken as a call (it asks the
+named model for the caller's target: instances, never a missed target).
 """
 from __future__ import annotations
 
+import ast
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from .traces import TraceSample
 
 KEEP = 20_000    # recent trace ids remembered, and children waiting for their parent's record
+SOURCE_FILES = 64              # a model's .py files read at most (named_in_source)
+SOURCE_BYTES = 1 << 20         # a larger .py file is skipped (generated code, vendored libraries)
+SOURCE_ENTRIES = 2000          # directory entries walked at most under one model's folder
+NAME_CHARS = 256               # longer string constants are no model's name (Triton's names are short)
 
 
 @dataclass
@@ -60,9 +78,81 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return 1000.0 * total
 
 
+def _constants(text: str) -> frozenset[str]:
+    """The string constants of Python source `text` where it builds an `InferenceRequest` (a name or an attribute:
+    `pb_utils.InferenceRequest`); empty otherwise, or where the text is not Python."""
+    if "InferenceRequest" not in text:
+        return frozenset()
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return frozenset()
+    builds, found = False, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "InferenceRequest" or \
+                isinstance(node, ast.Attribute) and node.attr == "InferenceRequest":
+            builds = True
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) <= NAME_CHARS:
+            found.add(node.value)
+    return frozenset(found) if builds else frozenset()
+
+
+def names_in_code(text: str, names: Iterable[str]) -> set[str]:
+    """The `names` that `text` (Python source) holds as a whole string constant, where it builds an
+    `InferenceRequest`; empty otherwise. A docstring that mentions a model among other words is not its name.
+    Example: `CALLEE = "plain"` ... `pb_utils.InferenceRequest(model_name=CALLEE, ...)` with names {"plain", "ens"}
+    gives {"plain"}."""
+    return set(_constants(text) & set(names))
+
+
+def _py_files(model_dir: Path) -> list[Path]:
+    """The model's .py files, at most SOURCE_FILES, found in at most SOURCE_ENTRIES directory entries (a vendored
+    library under the model's folder is not walked to its end), caches and hidden folders left out."""
+    out: list[Path] = []
+    seen = 0
+    for root, dirs, files in os.walk(model_dir):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+        seen += len(dirs) + len(files)
+        if seen > SOURCE_ENTRIES:
+            break
+        out += [Path(root) / f for f in sorted(files) if f.endswith(".py")]
+        if len(out) >= SOURCE_FILES:
+            break
+    return out[:SOURCE_FILES]
+
+
+def named_in_source(model_dir: Path, names: Iterable[str],
+                    cache: dict[Path, tuple[int, int, frozenset[str]]] | None = None) -> tuple[str, ...]:
+    """The other models (of `names`) that the Python model in `model_dir` names where it builds an
+    `InferenceRequest` (`names_in_code`), over its `.py` files (`_py_files`, each under SOURCE_BYTES); () where
+    none can be read. The model's own name is never its callee. `cache` (path -> (mtime ns, size, constants))
+    spares reading a file again that has not changed (the loop reads every model's files every few seconds)."""
+    others = set(names) - {model_dir.name}
+    found: set[str] = set()
+    try:
+        files = _py_files(model_dir)
+    except OSError:
+        return ()
+    for f in files:
+        try:
+            st = f.stat()
+            if not f.is_file() or st.st_size > SOURCE_BYTES:
+                continue
+            hit = cache.get(f) if cache is not None else None
+            if hit is None or hit[:2] != (st.st_mtime_ns, st.st_size):
+                hit = (st.st_mtime_ns, st.st_size, _constants(f.read_text(errors="replace")))
+                if cache is not None:
+                    cache[f] = hit
+            found |= hit[2] & others
+        except OSError:
+            continue
+    return tuple(sorted(found))
+
+
 class CallGraph:
     def __init__(self, keep: int = KEEP):
         self.keep = keep
+        self._declared: dict[tuple[str, str], str] = {}    # (caller, callee) -> where it was read ("model.py")
         self._model_of: OrderedDict[int, str] = OrderedDict()                  # trace id -> its model
         self._waiting: OrderedDict[int, list[TraceSample]] = OrderedDict()     # parent id -> children seen so far
         # parent id -> callee -> (its calls' intervals, the union counted so far)
@@ -111,30 +201,52 @@ class CallGraph:
         edge.span_ms += union - counted
         per_callee[child.model] = (intervals, union)
 
+    def declare(self, caller: str, callees: Iterable[str], where: str = "model.py") -> None:
+        """`caller` calls `callees`, as read in its source (`named_in_source`; replaces what was declared for it)."""
+        self._declared = {k: v for k, v in self._declared.items() if k[0] != caller}
+        self._declared.update({(caller, c): where for c in callees if c != caller})
+
+    def _all(self) -> set[tuple[str, str]]:
+        return set(self._edges) | set(self._declared)
+
     def callees(self, model: str) -> tuple[str, ...]:
-        """The models `model` was seen calling, by name."""
-        return tuple(sorted(c for p, c in self._edges if p == model))
+        """The models `model` calls (seen in its traces, or named in its source), by name."""
+        return tuple(sorted(c for p, c in self._all() if p == model))
 
     def callers(self, model: str) -> tuple[str, ...]:
-        return tuple(sorted(p for p, c in self._edges if c == model))
+        return tuple(sorted(p for p, c in self._all() if c == model))
 
     def edges(self) -> tuple[tuple[str, str], ...]:
-        return tuple(sorted(self._edges))
+        return tuple(sorted(self._all()))
+
+    def traced(self, caller: str, callee: str) -> bool:
+        """True where the calls were seen in the traces; False where they are only named in the caller's source."""
+        e = self._edges.get((caller, callee))
+        return e is not None and e.requests > 0
+
+    def declared_in(self, caller: str, callee: str) -> str | None:
+        """Where the caller's source names the callee ("model.py"), else None."""
+        return self._declared.get((caller, callee))
 
     def calls_per_request(self, caller: str, callee: str) -> float:
-        """Mean calls of `callee` per traced request of `caller` that made one (0.0: never seen)."""
+        """Mean calls of `callee` per traced request of `caller` that made one; 1.0 for an edge named only in the
+        caller's source (0.0: neither)."""
         e = self._edges.get((caller, callee))
-        return e.calls / e.requests if e is not None and e.requests else 0.0
+        if e is not None and e.requests:
+            return e.calls / e.requests
+        return 1.0 if (caller, callee) in self._declared else 0.0
 
     def calls_in_sequence(self, caller: str, callee: str) -> float:
         """How many of those calls a request waits for one after the other: the calls a request, times the time
-        they cover (their union) over their summed time; 1.0 to calls_per_request (0.0: never seen)."""
+        they cover (their union) over their summed time; 1.0 to calls_per_request (1.0 for an edge named only in
+        the caller's source; 0.0: neither)."""
         e = self._edges.get((caller, callee))
         if e is None or not e.requests:
-            return 0.0
+            return 1.0 if (caller, callee) in self._declared else 0.0
         k = e.calls / e.requests
         return k if e.call_ms <= 0 else min(k, max(1.0, k * e.span_ms / e.call_ms))
 
     def forget(self, model: str) -> None:
         """A model unloaded: its edges go (they are learned again if it returns and calls)."""
         self._edges = {k: v for k, v in self._edges.items() if model not in k}
+        self._declared = {k: v for k, v in self._declared.items() if model not in k}

@@ -24,8 +24,9 @@ more instances (or a shorter delay) where requests wait. So, each tick:
 4. while the ensemble's or its steps' data are missing (a change settling, a failed scrape, no request yet),
    every step keeps the target it has: a gap in the data never hands a step back its looser own target.
 
-A model that calls others (BLS) is handled the same way once its request traces show the calls
-(controller/calls.py): its callees are its "steps", each waited for k times a request (`EnsembleView.calls`).
+A model that calls others (BLS) is handled the same way once its request traces show the calls, or its source
+names them (controller/calls.py): its callees are its "steps", each waited for k times a request
+(`EnsembleView.calls`; k = 1 for a callee only named in the source).
 It differs from an ensemble in one way: it has a queue and instances of its own, so where it queues at
 least as long as any callee, no callee's target is cut (step_targets says how).
 
@@ -136,10 +137,13 @@ class EnsembleView:
     obs: Observation | None
     steps: tuple[str, ...]
     calls: Mapping[str, float] | None = None
+    untraced: frozenset[str] = frozenset()    # callees named in the caller's source, their calls not seen in traces
 
     def relation(self, step: str) -> str:
         if self.calls is None:
             return f"a request of {self.name} passes through {step}"
+        if step in self.untraced:
+            return f"{self.name} calls {step} (named in its model.py; its calls are not traced)"
         return f"{self.name} calls {step} (seen in its request traces)"
 
 

@@ -36,7 +36,7 @@ from . import capacity as capacity_mod
 from . import ensemble, groups, modelkind, planner, policy
 from .arbiter import ModelView, arbitrate
 from .actuation import UNREACHABLE, Actuator, ApplyResult, TritonControl, classify_error, settings_of
-from .calls import CallGraph
+from .calls import SOURCE_FILES, CallGraph, named_in_source
 from .config import ControllerConfig, ModelLimits
 from .decision_log import JsonLog
 from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
@@ -195,6 +195,9 @@ class Controller:
         self._ticks = 0
         self._tick_error: str | None = None
         self._discovered_at = -math.inf                     # when the server's READY models were last listed
+        self._sources_at = -math.inf                        # when the Python models' sources were last read
+        self._sources_read: set[str] = set()                # the models whose sources have been read (calls.py)
+        self._source_cache: dict[Path, tuple[int, int, frozenset[str]]] = {}   # .py file -> (mtime, size, constants)
         self._index_read: tuple[list[dict], Exception | None] | None = None   # this tick's repository index (_index)
         self._said_nothing_ready = False
         self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
@@ -318,6 +321,7 @@ class Controller:
                 actuator.control.close()
             self.traces.forget(name)
             self.calls.forget(name)
+            self._sources_read.discard(name)
             self.metrics.forget(name)
 
     def add_model(self, name: str, now: float) -> ManagedModel:
@@ -428,7 +432,8 @@ class Controller:
         return mm is not None and mm.kind is not None and mm.kind.ensemble
 
     def _caller_views(self) -> list[ensemble.EnsembleView]:
-        """Each managed model seen calling others in its request traces (BLS; calls.py), with its callees. An
+        """Each managed model seen calling others in its request traces, or naming them in its source (BLS;
+        calls.py), with its callees. An
         ensemble's steps come from its config instead; a decoupled caller's p99 is not what its clients wait for
         (modelkind.py), and a callee that is an ensemble or decoupled has no target to pass on: both left out."""
         views = []
@@ -447,8 +452,38 @@ class Controller:
                         default=-math.inf)
             obs = mm.last_obs if mm.last_obs is not None and mm.last_obs.since >= fresh else None
             views.append(ensemble.EnsembleView(mm.name, mm.limits.p99_target_ms, obs, callees,
-                                               {c: self.calls.calls_in_sequence(caller, c) for c in callees}))
+                                               {c: self.calls.calls_in_sequence(caller, c) for c in callees},
+                                               frozenset(c for c in callees if not self.calls.traced(caller, c))))
         return views
+
+    def _read_sources(self, now: float) -> None:
+        """Where this machine reads the repository: which READY models each managed Python model names where it
+        builds an InferenceRequest (calls.named_in_source), as calls, for a caller that does not pass its trace on.
+        Read for a model once its kind is known, then again every DISCOVER_EVERY_S (a model loaded later can be
+        named, a callee unloaded comes back)."""
+        if self.repository is None:
+            return
+        python = [mm for mm in self.models.values()
+                  if mm.kind is not None and mm.kind.managed and not mm.kind.ensemble and mm.kind.backend == "python"]
+        if not python or (now - self._sources_at < DISCOVER_EVERY_S and all(m.name in self._sources_read for m in python)):
+            return
+        try:
+            ready = self._ready_on_server()
+        except Exception:  # noqa: BLE001 - the server does not answer: the loop says so; read again next tick
+            return
+        self._sources_at = now
+        if len(self._source_cache) > 4 * SOURCE_FILES * len(python):
+            self._source_cache.clear()      # why: bounded; files renamed or removed leave entries behind
+        for mm in python:
+            before = set(self.calls.callees(mm.name))
+            named = named_in_source(self.repository / mm.name, ready, self._source_cache)
+            self.calls.declare(mm.name, named)
+            self._sources_read.add(mm.name)
+            for c in sorted(set(named) - before):
+                if not self.calls.traced(mm.name, c):
+                    log.info("%s: its model.py names %s where it builds an InferenceRequest: taken as calling it once a "
+                             "request (its target passes to %s) until its request traces show the calls; pass "
+                             "trace=request.trace() to the InferenceRequest for them to", mm.name, c, c)
 
     def _pass_ensemble_targets(self, now: float) -> None:
         """An ensemble's p99 target to the step that holds its latency, and a caller's (BLS) to the model it calls
@@ -503,6 +538,7 @@ class Controller:
                     return
         self._tick_error = None
         self._collect_finished()
+        self._read_sources(now)
         self._pass_ensemble_targets(now)
         self.traces.start()
         scraped = self.scraper.metrics()
@@ -967,11 +1003,15 @@ class Controller:
             models[mm.name]["owner"] = owner_status(mm, self.me)
             # who calls whom (BLS), as the request traces showed it: {model: calls a request}, [callers]; an
             # ensemble's steps are shown as such (ensemble_steps)
+            # "traced": False where the calls are only named in the caller's model.py (calls.py)
             models[mm.name]["calls"] = None if self._is_ensemble(mm.name) else {
                 c: {"per_request": round(self.calls.calls_per_request(mm.name, c), 2),
-                    "in_sequence": round(self.calls.calls_in_sequence(mm.name, c), 2)}
+                    "in_sequence": round(self.calls.calls_in_sequence(mm.name, c), 2),
+                    "traced": self.calls.traced(mm.name, c)}
                 for c in self.calls.callees(mm.name)} or None
-            models[mm.name]["called_by"] = [c for c in self.calls.callers(mm.name) if not self._is_ensemble(c)] or None
+            callers = [c for c in self.calls.callers(mm.name) if not self._is_ensemble(c)]
+            models[mm.name]["called_by"] = callers or None
+            models[mm.name]["called_by_untraced"] = [c for c in callers if not self.calls.traced(c, mm.name)] or None
         loop, s = self.config.loop, self.config.server
         snap = {"interval_s": loop.interval_s, "window_s": loop.window_s, "dry_run": loop.dry_run,
                 "tracing": self.traces.state, "decision_log": loop.decision_log, "ticks": self._ticks,

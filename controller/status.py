@@ -310,6 +310,18 @@ def _calls_text(callee: str, k: dict) -> str:
     return text + ")"
 
 
+def _calls_row(calls: dict) -> str:
+    """The `calls` row: the callees seen in the request traces, then those only named in the model's source (a
+    caller that does not pass its trace on; controller/calls.py), with what to do about it."""
+    seen = [_calls_text(c, k) for c, k in calls.items() if k.get("traced", True)]
+    named = [c for c, k in calls.items() if not k.get("traced", True)]
+    parts = [", ".join(seen) + ", seen in its request traces"] if seen else []
+    if named:
+        parts.append(", ".join(named) + " named in its model.py, taken as 1 call a request (its calls are not "
+                     "traced: pass trace=request.trace() to the InferenceRequest to measure them)")
+    return "; ".join(parts) + ": their latency is part of this model's"
+
+
 def _step_line(step: str, s: dict | None, ensemble: str) -> str:
     """One step of an ensemble, as the ensemble's block shows it: instances, p99 against the target it runs under."""
     if not s:
@@ -383,11 +395,16 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
         rows.append(("model", m["knobs"]))
     if m.get("target_from"):    # an ensemble's or a caller's target passed to this model (controller/ensemble.py)
         rows.append(("target", m["target_from"]))
-    if m.get("calls"):          # a model seen calling others (BLS) in its request traces (controller/calls.py)
-        rows.append(("calls", ", ".join(_calls_text(c, k) for c, k in m["calls"].items())
-                     + ", seen in its request traces: their latency is part of this model's"))
+    if m.get("calls"):          # a model calling others (BLS): seen in its request traces, or named in its source
+        rows.append(("calls", _calls_row(m["calls"])))
     if m.get("called_by"):
-        rows.append(("called by", ", ".join(m["called_by"]) + ", seen in their request traces"))
+        untraced = set(m.get("called_by_untraced") or ())
+        seen = [c for c in m["called_by"] if c not in untraced]
+        rows.append(("called by", "; ".join(
+            ([", ".join(seen) + ", seen in their request traces"] if seen else [])
+            + ([", ".join(sorted(untraced)) + (", which names it in its model.py" if len(untraced) == 1 else
+                                                ", which name it in their model.py") + " (calls not traced)"]
+               if untraced else []))))
     if m.get("versions"):       # several versions loaded: each runs the instance count shown
         rows.append(("versions", _versions_line(m["versions"], m.get("instances"))))
     if m.get("per_device"):     # instances per device, for a model on several (controller/groups.py)

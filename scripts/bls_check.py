@@ -9,7 +9,8 @@ clients call would write it. The arms differ in one line of `bls/1/model.py`:
 
 * `traced`: the call passes the request's trace on (`trace=request.trace()`, as shipped), so the controller
   sees that bls calls plain and runs plain under bls's target (controller/ensemble.py);
-* `untraced`: the same without `trace=` (the call is then not traced: the controller cannot see it).
+* `untraced`: the same without `trace=` (the call is then not traced; since the forty-fourth session the
+  controller finds `plain` named in bls's model.py instead, serve's repository being readable: calls.py).
 
 The same open-loop Poisson load in both: `bls` and, directly, `plain`. Printed per arm: each model's client
 p99 and failures, the share of `bls`'s 10-s buckets over its target, the changes applied, and the target

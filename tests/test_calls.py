@@ -1,10 +1,10 @@
-"""Who calls whom, from request traces (controller/calls.py): no server."""
+"""Who calls whom, from request traces or a Python model's source (controller/calls.py): no server."""
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.calls import CallGraph
+from controller.calls import CallGraph, named_in_source, names_in_code
 from controller.traces import TraceSample, parse_trace_text
 
 
@@ -136,8 +136,8 @@ def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_
     plain = ctl.models["plain"]
     assert plain.limits.p99_target_ms == 60.0 and plain.target_from.ensemble == "bls"
     snap = ctl.status_snapshot()["models"]
-    assert snap["bls"]["calls"] == {"plain": {"per_request": 1.0, "in_sequence": 1.0}}
-    assert snap["plain"]["called_by"] == ["bls"]
+    assert snap["bls"]["calls"] == {"plain": {"per_request": 1.0, "in_sequence": 1.0, "traced": True}}
+    assert snap["plain"]["called_by"] == ["bls"] and snap["plain"]["called_by_untraced"] is None
     assert snap["ens"]["calls"] is None and snap["net"]["called_by"] is None
     assert snap["net"]["target_ensemble"] == "ens"
     # plain changes: bls's window still reaches back before it, so plain keeps its target until bls's window does not
@@ -231,3 +231,159 @@ def test_calls_in_sequence_stays_between_one_and_the_calls_a_request(requests, f
     assert 1.0 <= whole.calls_in_sequence("bls", "plain") <= k + 1e-9
     assert split.calls_per_request("bls", "plain") == k
     assert abs(split.calls_in_sequence("bls", "plain") - whole.calls_in_sequence("bls", "plain")) < 1e-6
+
+
+# ---- calls named in a caller's source (a caller that does not pass its trace on) -------------------------------
+
+BLS_SOURCE = '''"""Sends each row on to `plain` (a docstring naming a model is not a call)."""
+import triton_python_backend_utils as pb_utils
+
+CALLEE = "plain"
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceRequest(model_name=CALLEE, requested_output_names=["OUTPUT"], inputs=[]).exec()
+                for _ in requests]
+'''
+
+
+def test_a_string_constant_naming_a_model_counts_only_where_the_code_builds_an_inference_request():
+    names = {"plain", "ens", "OUTPUT"}
+    assert names_in_code(BLS_SOURCE, names) == {"plain", "OUTPUT"}     # OUTPUT: a model named like a tensor is named
+    assert names_in_code(BLS_SOURCE, {"ens"}) == set()
+    direct = 'from triton_python_backend_utils import InferenceRequest\nr = InferenceRequest(model_name="ens")\n'
+    assert names_in_code(direct, names) == {"ens"}
+    not_bls = 'NAME = "plain"\nprint(NAME)\n'                       # names plain, never builds a request
+    assert names_in_code(not_bls, names) == set()
+    assert names_in_code("def broken(:\n  'plain' InferenceRequest", names) == set()
+    assert names_in_code('"""Calls plain."""\nInferenceRequest = None\n', names) == set()   # a mention in words
+
+
+def test_named_in_source_reads_the_models_py_files_but_not_its_own_name_caches_or_large_files(tmp_path):
+    from controller import calls
+    bls = tmp_path / "bls"
+    (bls / "1").mkdir(parents=True)
+    (bls / "1" / "model.py").write_text(BLS_SOURCE.replace('CALLEE = "plain"', 'CALLEE = "plain"\nME = "bls"'))
+    (bls / "1" / "helpers.py").write_text('import triton_python_backend_utils as pb_utils\n'
+                                          'def tokenize(x):\n    return pb_utils.InferenceRequest(model_name="tok")\n')
+    (bls / "1" / "__pycache__").mkdir()
+    (bls / "1" / "__pycache__" / "stale.py").write_text(BLS_SOURCE.replace('"plain"', '"gone"'))
+    (bls / "big.py").write_text(BLS_SOURCE.replace('"plain"', '"huge"') + "#" * calls.SOURCE_BYTES)
+    names = {"bls", "plain", "tok", "gone", "huge", "other"}
+    assert named_in_source(bls, names) == ("plain", "tok")
+    assert named_in_source(tmp_path / "absent", names) == ()
+
+
+def test_a_file_unchanged_since_it_was_read_is_not_read_again_and_a_changed_one_is(tmp_path):
+    import os
+    code = tmp_path / "bls" / "1" / "model.py"
+    code.parent.mkdir(parents=True)
+    code.write_text(BLS_SOURCE)
+    cache: dict = {}
+    names = {"plain", "tok"}
+    assert named_in_source(tmp_path / "bls", names, cache) == ("plain",) and list(cache) == [code]
+    mtime, size, _ = cache[code]
+    cache[code] = (mtime, size, frozenset({"tok"}))      # what an unchanged file's entry says is what counts
+    assert named_in_source(tmp_path / "bls", names, cache) == ("tok",)
+    code.write_text(BLS_SOURCE.replace('"plain"', '"tok"') + "\n")
+    os.utime(code, ns=(mtime + 10**9, mtime + 10**9))
+    assert named_in_source(tmp_path / "bls", names, cache) == ("tok",) and cache[code][2] >= {"tok"}
+    code.write_text(BLS_SOURCE + "\n\n")
+    os.utime(code, ns=(mtime + 2 * 10**9, mtime + 2 * 10**9))
+    assert named_in_source(tmp_path / "bls", names, cache) == ("plain",)
+
+
+def test_a_vendored_tree_under_a_model_is_not_walked_to_its_end(tmp_path):
+    from controller import calls
+    bls = tmp_path / "bls"
+    (bls / "1").mkdir(parents=True)
+    (bls / "1" / "model.py").write_text(BLS_SOURCE)
+    lib = bls / "1" / "zz_vendor"
+    lib.mkdir()
+    for i in range(calls.SOURCE_ENTRIES + 10):
+        (lib / f"f{i}.txt").write_text("")
+    (lib / "deep.py").write_text(BLS_SOURCE.replace('"plain"', '"tok"'))
+    files = calls._py_files(bls)
+    assert (bls / "1" / "model.py") in files and (lib / "deep.py") not in files
+    assert named_in_source(bls, {"plain", "tok"}) == ("plain",)
+
+
+def test_the_mixed_repositorys_bls_names_plain_and_its_other_python_models_name_nothing(tmp_path):
+    from conftest import ROOT, load_script
+    mixed = ROOT / "scripts" / "scenarios" / "repos" / "mixed"
+    names = {p.name for p in mixed.iterdir() if (p / "config.pbtxt").is_file()}
+    assert names == {"bls", "plain", "ens", "ens_step"}
+    assert named_in_source(mixed / "bls", names) == ("plain",)
+    assert [named_in_source(mixed / m, names) for m in ("plain", "ens_step")] == [(), ()]
+    load_script("bls_check").make_repo(tmp_path, traced=False)      # the untraced arm: the same name, no trace=
+    assert named_in_source(tmp_path / "bls", names) == ("plain",)
+
+
+def test_an_edge_named_in_the_source_counts_one_call_until_the_traces_measure_it():
+    g = CallGraph()
+    g.declare("bls", ["plain", "bls"])                       # its own name is never a callee
+    assert g.edges() == (("bls", "plain"),) and g.callers("plain") == ("bls",) and g.callees("bls") == ("plain",)
+    assert not g.traced("bls", "plain") and g.declared_in("bls", "plain") == "model.py"
+    assert (g.calls_per_request("bls", "plain"), g.calls_in_sequence("bls", "plain")) == (1.0, 1.0)
+    g.add([s(1, "bls"), timed(2, "plain", 1, 0, 10), timed(3, "plain", 1, 10, 10)])
+    assert g.traced("bls", "plain") and g.edges() == (("bls", "plain"),)
+    assert (g.calls_per_request("bls", "plain"), g.calls_in_sequence("bls", "plain")) == (2.0, 2.0)
+    g.declare("bls", ["net"])                                # read again: what the source names now replaces it
+    assert g.edges() == (("bls", "net"), ("bls", "plain")) and g.declared_in("bls", "plain") is None
+    g.forget("net")
+    assert g.edges() == (("bls", "plain"),)
+    assert g.calls_per_request("x", "y") == 0.0 and g.calls_in_sequence("x", "y") == 0.0
+
+
+def test_the_loop_passes_a_callers_target_to_a_callee_its_source_names_and_status_says_how_it_knows(tmp_path):
+    """No trace shows the call (the caller does not pass its trace on); the repository is readable here: bls's
+    model.py names plain, so plain runs under bls's target, and status says where that came from and what to do."""
+    from controller.config import ControllerConfig, ModelLimits, ServerConfig
+    from controller.loop import Controller
+    from controller.status import format_model
+    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, run_ticks
+    for name, code in (("bls", BLS_SOURCE), ("plain", "x = 1\n"), ("other", BLS_SOURCE.replace('"plain"', '"gone"'))):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.py").write_text(code)
+    clock = Clock()
+    control = FakeControl(["bls", "plain"])
+    for cfg in control.configs.values():
+        cfg["backend"] = "python"
+    cfg = ControllerConfig(server=ServerConfig(repository=str(tmp_path)), loop=LOOP,
+                           defaults=ModelLimits(p99_target_ms=1000.0), models={"bls": ModelLimits(p99_target_ms=60.0)})
+    fakes = {m: FakeModel(20, 5, 4) for m in ("bls", "plain")}
+    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=_FeedOnce([]))
+    try:
+        run_ticks(ctl, clock, 4)
+        assert ctl.calls.edges() == (("bls", "plain"),) and not ctl.calls.traced("bls", "plain")
+        plain = ctl.models["plain"]
+        assert plain.limits.p99_target_ms == 60.0 and plain.target_from.ensemble == "bls"
+        assert "named in its model.py" in plain.target_from.why
+        snap = ctl.status_snapshot()["models"]
+        assert snap["bls"]["calls"] == {"plain": {"per_request": 1.0, "in_sequence": 1.0, "traced": False}}
+        assert snap["plain"]["called_by_untraced"] == ["bls"]
+        calls = next(ln for ln in format_model("bls", {**snap["bls"], "state": "READY"}) if "calls" in ln.split()[:1])
+        assert "plain named in its model.py" in calls and "trace=request.trace()" in calls, calls
+        called_by = next(ln for ln in format_model("plain", {**snap["plain"], "state": "READY"})
+                         if ln.split()[:2] == ["called", "by"])
+        assert "bls, which names it in its model.py (calls not traced)" in called_by, called_by
+    finally:
+        ctl.close()
+
+
+def test_without_a_readable_repository_no_source_is_read():
+    from controller.config import ControllerConfig, ModelLimits, ServerConfig
+    from controller.loop import Controller
+    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, run_ticks
+    clock = Clock()
+    control = FakeControl(["bls", "plain"])
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=ModelLimits(p99_target_ms=1000.0),
+                           models={"bls": ModelLimits(p99_target_ms=60.0)})
+    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, {m: FakeModel(20, 5, 4) for m in ("bls",)}),
+                     clock=clock, traces=_FeedOnce([]))
+    try:
+        run_ticks(ctl, clock, 3)
+        assert ctl.calls.edges() == () and "plain" not in ctl.models
+    finally:
+        ctl.close()

@@ -1,7 +1,8 @@
 """A BLS model's calls, seen in the request traces of a real 2.51 (controller/calls.py): `bls` of the mixed
 repository calls `plain` once per row, passing its request's trace on (`trace=request.trace()`). The controller,
 told only of `bls`, learns the call, manages `plain` under `bls`'s target (its own, the defaults', is looser),
-and `status` says both. A caller that sends its calls at once (`async_exec`) is seen waiting for fewer of them
+and `status` says both. A caller that does not pass its trace on is found in its source instead, where the
+repository is readable here. A caller that sends its calls at once (`async_exec`) is seen waiting for fewer of them
 in sequence than it sends."""
 from __future__ import annotations
 
@@ -16,15 +17,21 @@ from controller.status import format_model
 MIXED = ROOT / "scripts" / "scenarios" / "repos" / "mixed"
 
 
-@pytest.mark.slow
-def test_a_bls_models_callee_is_found_in_its_traces_and_runs_under_its_target(tmp_path):
-    server = start_server(["bls", "plain"], repository=MIXED)
-    cfg = ControllerConfig(
-        server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
-        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0,
+def _bls_config(server, tmp_path, repository=None, dry_run=False):
+    """Only bls named (60 ms, at most 2 instances), plain left to the defaults' 1 s."""
+    return ControllerConfig(
+        server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
+                            repository=repository),
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, dry_run=dry_run,
                         decision_log=str(tmp_path / "decisions.jsonl"), gpu="simulated", owner_mark=False),
         defaults=ModelLimits(p99_target_ms=1000.0),
         models={"bls": ModelLimits(p99_target_ms=60.0, max_instances=2)})
+
+
+@pytest.mark.slow
+def test_a_bls_models_callee_is_found_in_its_traces_and_runs_under_its_target(tmp_path):
+    server = start_server(["bls", "plain"], repository=MIXED)
+    cfg = _bls_config(server, tmp_path)
     try:
         with running_controller(cfg) as controller:
             records = open_loop(server, "bls", rate_rps=20.0, seconds=12.0, seed=5)
@@ -36,12 +43,38 @@ def test_a_bls_models_callee_is_found_in_its_traces_and_runs_under_its_target(tm
             assert plain.limits.p99_target_ms == 60.0 and plain.target_from is not None
             assert plain.target_from.ensemble == "bls" and "bls calls plain" in plain.target_from.why
             snap = controller.status_snapshot()["models"]
-            assert snap["bls"]["calls"] == {"plain": {"per_request": 1.0, "in_sequence": 1.0}}
+            assert snap["bls"]["calls"] == {"plain": {"per_request": 1.0, "in_sequence": 1.0, "traced": True}}
             assert snap["plain"]["called_by"] == ["bls"]
             text = "\n".join(format_model("plain", {**snap["plain"], "state": "READY"}))
             called_by = [ln.split() for ln in text.splitlines() if ln.strip().startswith("called by")]
             assert "(target p99 60.0 ms from bls" in text, text
             assert called_by == [["called", "by", "bls,", "seen", "in", "their", "request", "traces"]], text
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_callers_callee_is_found_in_its_source_where_its_calls_are_not_traced(tmp_path):
+    """bls_check's untraced arm: the same bls without `trace=` (plain's calls carry no parent). With the
+    repository readable (serve's, or `server.repository`), bls's model.py names plain: plain runs under bls's
+    target all the same, and status says the calls are not measured."""
+    from conftest import load_script
+    repo = tmp_path / "repo"
+    load_script("bls_check").make_repo(repo, traced=False)
+    server = start_server(["bls", "plain"], repository=repo)
+    cfg = _bls_config(server, tmp_path, repository=str(repo), dry_run=True)
+    try:
+        with running_controller(cfg) as controller:
+            records = open_loop(server, "bls", rate_rps=20.0, seconds=8.0, seed=5)
+            assert records and all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
+            assert controller.calls.edges() == (("bls", "plain"),)
+            assert not controller.calls.traced("bls", "plain"), "the untraced bls's calls carry no parent_id"
+            plain = controller.models.get("plain")
+            assert plain is not None and plain.limits.p99_target_ms == 60.0
+            assert "bls calls plain (named in its model.py" in plain.target_from.why
+            snap = controller.status_snapshot()["models"]
+            text = "\n".join(format_model("bls", {**snap["bls"], "state": "READY"}))
+            assert "plain named in its model.py" in text and "trace=request.trace()" in text, text
     finally:
         server.stop()
 
