@@ -26,7 +26,8 @@ more instances (or a shorter delay) where requests wait. So, each tick:
 
 A model that calls others (BLS) is handled the same way once its request traces show the calls, or its source
 names them (controller/calls.py): its callees are its "steps", each waited for k times a request
-(`EnsembleView.calls`; k = 1 for a callee only named in the source).
+(`EnsembleView.calls`; k = 1 for a callee only named in the source). A callee that is an ensemble takes the
+target as its own, and its own view passes it to its steps.
 It differs from an ensemble in one way: it has a queue and instances of its own, so where it queues at
 least as long as any callee, no callee's target is cut (step_targets says how).
 

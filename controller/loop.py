@@ -433,16 +433,18 @@ class Controller:
 
     def _caller_views(self) -> list[ensemble.EnsembleView]:
         """Each managed model seen calling others in its request traces, or naming them in its source (BLS;
-        calls.py), with its callees. An
-        ensemble's steps come from its config instead; a decoupled caller's p99 is not what its clients wait for
-        (modelkind.py), and a callee that is an ensemble or decoupled has no target to pass on: both left out."""
+        calls.py), with its callees. An ensemble's steps come from its config instead; a decoupled caller's p99 is
+        not what its clients wait for (modelkind.py), and a decoupled callee has no target to pass on: both left
+        out. A callee that is an ensemble takes the target as its own and passes it on to its steps (the next
+        tick's ensemble view)."""
         views = []
         for caller in sorted({p for p, _ in self.calls.edges()}):
             mm = self.models.get(caller)
             if mm is None or mm.kind is None or not mm.kind.managed:
                 continue
             callees = tuple(c for c in self.calls.callees(caller)
-                            if (cm := self.models.get(c)) is None or cm.kind is None or cm.kind.managed)
+                            if (cm := self.models.get(c)) is None or cm.kind is None or cm.kind.managed
+                            or cm.kind.ensemble)
             if not callees:
                 continue
             # ensemble.py compares the caller's p99 with its callee's: where the caller's window reaches back before
@@ -496,8 +498,9 @@ class Controller:
                 (f"a step of ensemble {v.name}" if v.calls is None else f"a model {v.name} calls")
                 for v in views if step in v.steps))
             self.add_model(step, now)
+        # an ensemble that a model calls takes its caller's target (passed on to its steps by its own view)
         steps = {s: self.models[s] for v in views for s in v.steps
-                 if self.models[s].kind is None or self.models[s].kind.managed}
+                 if (k := self.models[s].kind) is None or k.managed or (v.calls is not None and k.ensemble)}
         own = {s: self.config.limits_for(s).p99_target_ms for s in steps}
         current = {s: mm.target_from or ensemble.StepTarget(s, mm.limits.p99_target_ms) for s, mm in steps.items()}
         planned = ensemble.plan(views, {s: mm.last_obs for s, mm in steps.items()}, own, current)

@@ -81,13 +81,17 @@ def test_bls_checks_untraced_arm_differs_from_the_shipped_bls_only_by_the_trace_
 
 
 class _FeedOnce:
-    """A TraceFeed stand-in whose first poll returns `samples` (the loop routes them and learns the calls)."""
+    """A TraceFeed stand-in whose first poll (after `after` empty ones) returns `samples` (the loop routes them and
+    learns the calls)."""
 
-    def __init__(self, samples):
-        self.samples, self.state = list(samples), "on"
+    def __init__(self, samples, after=0):
+        self.samples, self.state, self.after = list(samples), "on", after     # after: empty polls before the first
 
     def poll(self, now, traffic):
         out: dict = {}
+        if self.after > 0:
+            self.after -= 1
+            return out
         for x in self.samples:
             out.setdefault(x.model, []).append(x)
         self.samples = []
@@ -149,6 +153,35 @@ def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_
     assert view.obs is not None and view.obs.since >= plain.observer.changed_at
     assert plain.limits.p99_target_ms == 60.0
     ctl.close()
+
+
+def test_a_callee_that_is_an_ensemble_takes_its_callers_target_and_passes_it_to_its_step():
+    """bls calls the ensemble ens (ens -> net); bls is named with 60 ms, ens with its own 500 ms: ens runs under
+    60 ms from bls, and its step net under ens's, where both would run under 500 ms without the call."""
+    from controller.config import ControllerConfig, ModelLimits, ServerConfig
+    from controller.loop import Controller
+    from test_ensemble import ENS
+    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, model_config, run_ticks
+    clock = Clock()
+    control = FakeControl(["bls", "ens", "net"])
+    control.configs.update(ens=ENS, net=model_config("net"))
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=ModelLimits(p99_target_ms=1000.0),
+                           models={"bls": ModelLimits(p99_target_ms=60.0), "ens": ModelLimits(p99_target_ms=500.0)})
+    fakes = {m: FakeModel(20, 5, 4) for m in ("bls", "ens", "net")}
+    # the calls are seen once every model's kind is known (the first traces come after the first ticks)
+    feed = _FeedOnce([s(1, "bls"), s(2, "ens", 1), s(3, "net", 2)], after=2)
+    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=feed)
+    try:
+        run_ticks(ctl, clock, 6)
+        assert ctl.calls.edges() == (("bls", "ens"), ("ens", "net"))
+        ens, net = ctl.models["ens"], ctl.models["net"]
+        assert ens.limits.p99_target_ms == 60.0 and ens.target_from.ensemble == "bls"
+        assert net.limits.p99_target_ms == 60.0 and net.target_from.ensemble == "ens"
+        assert not [m for m, _ in control.loads if m == "ens"]           # an ensemble is never reloaded
+        snap = ctl.status_snapshot()["models"]
+        assert snap["ens"]["called_by"] == ["bls"] and snap["ens"]["calls"] is None
+    finally:
+        ctl.close()
 
 
 def timed(trace_id, model, parent, start_ms, ms):

@@ -6,6 +6,7 @@ repository is readable here. A caller that sends its calls at once (`async_exec`
 in sequence than it sends."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -125,5 +126,50 @@ def test_calls_sent_at_once_are_seen_as_fewer_in_sequence(tmp_path):
             assert controller.calls.calls_per_request("fan", "plain") == 4.0
             # one call after the other would read 4.0; the calls' spans overlap here (measured once: 1.2)
             assert 1.0 <= controller.calls.calls_in_sequence("fan", "plain") < 3.0
+    finally:
+        server.stop()
+
+
+TO_ENS = """import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            answer = pb_utils.InferenceRequest(model_name="ens", requested_output_names=["OUT"],
+                                               inputs=[pb_utils.Tensor("IN", x)], trace=request.trace()).exec()
+            if answer.has_error():
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(answer.error().message())))
+                continue
+            out = pb_utils.get_output_tensor_by_name(answer, "OUT").as_numpy()
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out)]))
+        return responses
+"""
+
+
+@pytest.mark.slow
+def test_a_bls_model_calling_an_ensemble_passes_its_target_through_it_to_the_ensembles_step(tmp_path):
+    """`bls` sends each request to the ensemble `ens` (-> `ens_step`), its trace passed on: on 2.51 the ensemble's
+    request is traced as bls's child and its step as the ensemble's. ens (its own target 500 ms) runs under bls's
+    60 ms, and ens_step under ens's."""
+    repo = tmp_path / "repo"
+    for m in ("ens", "ens_step"):
+        shutil.copytree(MIXED / m, repo / m, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(MIXED / "bls", repo / "bls", ignore=shutil.ignore_patterns("__pycache__", "model.py"))
+    (repo / "bls" / "1" / "model.py").write_text(TO_ENS)
+    server = start_server(["bls", "ens", "ens_step"], repository=repo)
+    cfg = _bls_config(server, tmp_path, dry_run=True)
+    cfg = dataclasses.replace(cfg, models={**cfg.models, "ens": ModelLimits(p99_target_ms=500.0)})
+    try:
+        with running_controller(cfg) as controller:
+            records = open_loop(server, "bls", rate_rps=20.0, seconds=10.0, seed=3)
+            assert records and all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
+            assert controller.calls.edges() == (("bls", "ens"), ("ens", "ens_step"))
+            ens, step = controller.models["ens"], controller.models["ens_step"]
+            assert ens.limits.p99_target_ms == 60.0 and ens.target_from.ensemble == "bls"
+            assert step.limits.p99_target_ms <= 60.0 and step.target_from.ensemble == "ens"
     finally:
         server.stop()
