@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", type=_bounded(float, 0.2, 3600.0), metavar="N", help="redraw every N seconds until Ctrl-C")
     st.add_argument("--decision-log", help="without a reachable controller: read recent decisions from this JSONL file")
     st.add_argument("--last", type=_bounded(int, 0, 50), default=3, help="recent decisions to show per model (default 3)")
+    st.add_argument("models", nargs="*", metavar="MODEL", help="only these models' details (default: every model's, "
+                    "under a summary line per model; with more than 6 models, the summary only)")
+    st.add_argument("--details", action="store_true", help="every model's details, however many")
 
     sw = sub.add_parser("sweep", help="offline grid: instances x max_queue_delay_us x offered load on one fresh server")
     sw.add_argument("--model", default="sim_accel", help="model to sweep (default sim_accel, the SIMULATED accelerator)")
@@ -561,21 +564,26 @@ def _check_repository_access(server: ServerConfig, headers: dict, dry_run: bool 
 
 def cmd_status(args) -> int:
     from . import runstate
-    from .status import format_text, gather, resolve, watch
+    from .status import UnknownModel, format_text, gather, resolve, select_models, watch
 
     def one() -> str:
         target = resolve(args.config, args.pid, lambda p: _with_overrides(load_config(p), args))
         if args.decision_log:
             target = dataclasses.replace(target, decision_log=args.decision_log)
         doc = gather(target, last=args.last)
-        return json.dumps(doc, indent=1) if args.json else format_text(doc, last=args.last)
+        if args.models:
+            doc = select_models(doc, args.models)
+            if args.json:
+                doc.pop("all_models")
+        return json.dumps(doc, indent=1) if args.json else \
+            format_text(doc, last=args.last, details=True if args.details else None)
 
     def frame() -> str:
         try:
             return one()
         except runstate.SeveralRunning as e:
             return f"{e}:\n{e.listing()}"
-        except (runstate.RunStateError, ServerError) as e:
+        except (runstate.RunStateError, ServerError, UnknownModel) as e:
             return f"{time.strftime('%H:%M:%S')} {e}"
 
     if args.watch:
@@ -590,6 +598,9 @@ def cmd_status(args) -> int:
         return 2
     except runstate.RunStateError as e:
         raise ServerError(str(e)) from None
+    except UnknownModel as e:        # a model named that the server and the controller do not know
+        print(str(e))
+        return 1
     return 0
 
 

@@ -540,17 +540,80 @@ def describe_observation(rec: dict) -> str:
     return f"seen {_clock(rec.get('time'))}: " + "; ".join(parts)
 
 
-def format_text(doc: dict, last: int = 3) -> str:
+DETAILS_MAX = 6      # more models than this: the summary table, and each model's block only when asked
+
+
+def _summary_row(name: str, m: dict) -> list[str]:
+    o = m.get("obs") or {}
+    ens = m.get("ensemble_steps") is not None
+    p99, target = o.get("p99_ms"), m.get("p99_target_ms")
+    over = isinstance(p99, (int, float)) and isinstance(target, (int, float)) and p99 > target
+    if ens:
+        why = "ensemble: tuned through its steps"
+    elif m.get("unmanaged"):
+        why = "not managed"
+    elif "reason" not in m:
+        log = m.get("log") or []          # no controller to ask: its decision log's last record
+        why = str(log[-1].get("reason") or "-") + " (logged)" if log else "-"
+    else:
+        why = str(m.get("reason") or "-") + (" (reloading)" if m.get("reloading") else "")
+    return [name, str(m.get("state", "?")),
+            "-" if ens or m.get("instances") is None else str(m["instances"]),
+            "-" if ens or m.get("delay_us") is None else str(m["delay_us"]),
+            _num(o.get("arrival_rps")) if o.get("arrival_rps") is not None else "-",
+            (_num(p99, 1) if p99 is not None else "-") + (" OVER" if over else ""),
+            _num(target, 0) if target is not None else "-", why]
+
+
+def format_summary(models: dict, order: list[str]) -> list[str]:
+    """One line a model, as `kubectl get` has it: state, instances, delay, arrivals, p99 (OVER where above the
+    target it runs under), target, and why it holds or what it did last."""
+    rows = [["MODEL", "STATE", "INST", "DELAY_US", "REQ/S", "P99_MS", "TARGET_MS", "REASON"]]
+    rows += [_summary_row(n, models[n]) for n in order]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    right = {2, 3, 4, 6}
+    return ["  ".join((c.rjust(w) if i in right else c.ljust(w)) for i, (c, w) in enumerate(zip(r, widths)))
+            + "  " + r[-1] for r in rows]
+
+
+class UnknownModel(ValueError):
+    """`status MODEL` named a model that neither the server nor the controller knows."""
+
+
+def select_models(doc: dict, names: list[str]) -> dict:
+    """`doc` with only the models named (and, for an ensemble named, its steps' rows it draws on); a name the
+    snapshot does not hold raises UnknownModel naming those it does."""
+    models = doc.get("models") or {}
+    unknown = [n for n in names if n not in models]
+    if unknown:
+        raise UnknownModel(f"no model {', '.join(unknown)} here; the models are: {', '.join(models) or 'none'}")
+    return {**doc, "models": {n: models[n] for n in names}, "all_models": models}
+
+
+def format_text(doc: dict, last: int = 3, details: bool | None = None) -> str:
+    """The header, a summary line a model (two models or more, none named), then each model's block: every one's
+    with DETAILS_MAX models or fewer (or `details` True), the named ones' (`select_models`), or a line saying how to
+    see them."""
     lines = format_header(doc)
     models = doc.get("models") or {}
+    everyone = doc.get("all_models") or models
     order: list[str] = []
     for name, m in models.items():      # an ensemble's steps right after it
         for n in [name] + [s for s in (m.get("ensemble_steps") or []) if s in models]:
             if n not in order:
                 order.append(n)
-    for name, m in ((n, models[n]) for n in order):
-        lines.append("")
-        lines.extend(format_model(name, m, last, doc.get("models")))
+    named = "all_models" in doc
+    if len(order) >= 2 and not named:
+        lines += [""] + format_summary(models, order)
+    if details is None:
+        details = named or len(order) <= DETAILS_MAX
+    if details:
+        for name, m in ((n, models[n]) for n in order):
+            lines.append("")
+            lines.extend(format_model(name, m, last, everyone))
+    elif order:
+        lines += ["", f"{len(order)} models: `python -m controller status MODEL [MODEL ...]` shows those models' "
+                      "details, `--details` every model's"]
     if not doc.get("models"):
         lines += ["", "no models on the server"]
     hint = _no_traffic_hint(doc)

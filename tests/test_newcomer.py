@@ -363,6 +363,16 @@ def test_the_newcomer_walk_serve_status_traffic_status_stop(tmp_path, capsys):
         r = _cli(env, "status")
         assert r.returncode == 0 and "  p99 " in r.stdout and " ms  from " in r.stdout, r.stdout
         assert "req/s arriving" in r.stdout
+        summary = [ln.split() for ln in r.stdout.splitlines() if ln.split()[:1] in (["MODEL"], ["sim_accel"])]
+        assert summary[0][:3] == ["MODEL", "STATE", "INST"] and summary[1][:3] == ["sim_accel", "READY", "1"], r.stdout
+
+        # one model's details; a name the server does not have, said in one line with those it has
+        r = _cli(env, "status", "sim_accel")
+        assert r.returncode == 0 and "sim_accel  READY" in r.stdout and "resnet_tiny" not in r.stdout, r.stdout
+        r = _cli(env, "status", "resnet")
+        assert r.returncode == 1 and r.stdout.strip().splitlines()[-1] == \
+            "no model resnet here; the models are: resnet_tiny, sim_accel", r.stdout + r.stderr
+        assert not r.stderr, r.stderr
 
         # what happened, said as such: the restricted API without a key, and with a wrong one
         cfg = tmp_path / "c.yaml"

@@ -1,6 +1,8 @@
 """What an operator reads: `status`, the decision log and the controller's own metrics endpoint."""
 from __future__ import annotations
 
+import pytest
+
 import dataclasses
 import json
 import subprocess
@@ -42,8 +44,10 @@ def test_status_without_a_controller_prints_live_configs_and_recent_decisions(se
                         "(the config sets no controller.metrics_port)")
     assert "resnet_tiny  READY  1 instance, delay 0 us" in lines
     assert "sim_accel  READY  1 instance, delay 0 us" in lines
-    shown = [ln for ln in lines if "Reason" in ln]
+    shown = [ln for ln in lines if "Reason" in ln and ln.split()[0] == "recent"]
     assert [ln.split()[3] for ln in shown] == ["Reason4", "Reason5", "Reason6"]   # the last 3, in order
+    # the summary line a model: no controller to ask, so its decision log's last record
+    assert any(ln.split()[:2] == ["sim_accel", "READY"] and ln.endswith("Reason6 (logged)") for ln in lines), lines
     assert "-> 7 inst" in shown[-1]
 
 
@@ -142,3 +146,37 @@ def test_p99_estimate_is_mean_times_tail_ratio_or_the_worst_interval():
     summary = Observation(valid=True, span_s=60, p99_ms=46.0, p99_source="summary", request_ms_mean=25.0)
     assert estimate_p99(summary, 3.0) == summary                        # a fresh summary is used as it is
     assert estimate_p99(Observation(valid=False), 2.0) == Observation(valid=False)
+
+
+def _doc(n: int) -> dict:
+    models = {f"m{i:02d}": {"state": "READY", "instances": 1 + i % 3, "delay_us": 0, "reason": "HoldPredictedOk",
+                            "p99_target_ms": 50.0, "obs": {"arrival_rps": 10.0 * i, "p99_ms": 20.0 + 10 * i}}
+              for i in range(1, n + 1)}
+    return {"time": 100.0, "source": {"kind": "config", "path": "c.yaml"}, "controller": {"ticks": 3},
+            "models": models}
+
+
+def test_status_puts_a_line_a_model_first_and_marks_a_p99_over_its_target():
+    from controller.status import format_text
+    text = format_text(_doc(3))
+    table = [ln.split() for ln in text.splitlines() if ln.split()[:1] in (["MODEL"], ["m01"], ["m02"], ["m03"])]
+    assert table[:4] == [["MODEL", "STATE", "INST", "DELAY_US", "REQ/S", "P99_MS", "TARGET_MS", "REASON"],
+                         ["m01", "READY", "2", "0", "10.0", "30.0", "50", "HoldPredictedOk"],
+                         ["m02", "READY", "3", "0", "20.0", "40.0", "50", "HoldPredictedOk"],
+                         ["m03", "READY", "1", "0", "30.0", "50.0", "50", "HoldPredictedOk"]], text
+    assert "m03  READY  1 instance" in text           # three models: every block follows the table
+    over = format_text(_doc(4))
+    assert any(ln.split()[:7] == ["m04", "READY", "2", "0", "40.0", "60.0", "OVER"] for ln in over.splitlines()), over
+
+
+def test_status_with_many_models_shows_the_table_and_says_how_to_see_one_and_one_model_alone():
+    from controller.status import DETAILS_MAX, UnknownModel, format_text, select_models
+    doc = _doc(DETAILS_MAX + 1)
+    text = format_text(doc)
+    assert "m07  READY" not in text and sum(ln.startswith("m0") for ln in text.splitlines()) == DETAILS_MAX + 1
+    assert f"{DETAILS_MAX + 1} models: `python -m controller status MODEL [MODEL ...]`" in text
+    assert "m07  READY  2 instances" in format_text(doc, details=True)
+    one = format_text(select_models(doc, ["m02"]))
+    assert "MODEL" not in one and "m02  READY  3 instances" in one and "m01" not in one, one
+    with pytest.raises(UnknownModel, match="no model m99 here; the models are: m01, m02"):
+        select_models(doc, ["m02", "m99"])
