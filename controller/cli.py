@@ -513,9 +513,35 @@ def cmd_run(args) -> int:
     if not _wait_for_server(cfg.server, stop, headers):
         return 0
     _check_repository_access(cfg.server, headers, cfg.loop.dry_run)
+    cfg = _with_local_repository(cfg)
     controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or None)
     _run_controller(controller, endpoint, stop)
     return 0
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0")
+
+
+def _with_local_repository(cfg: ControllerConfig) -> ControllerConfig:
+    """Where the config sets no `server.repository` and the server listens on this machine: the folder its
+    tritonserver process was given (server.served_repository), said in one line. With it the controller holds a
+    reload that would change the versions served, and reads which models a BLS model calls in its source (README,
+    "With your own server")."""
+    from .server import served_repository
+    if cfg.server.repository:
+        return cfg
+    host, _, port = cfg.server.http_url.rpartition(":")
+    host = host.split("://")[-1]
+    if host not in LOCAL_HOSTS or not port.isdigit():
+        return cfg
+    path, why = served_repository(int(port))
+    if path is None:
+        log.info("server.repository not set and not found (%s): no check of the versions a reload would serve, no "
+                 "reading of the models BLS models name in their source; set it where this machine reads the "
+                 "repository", why)
+        return cfg
+    log.info("server.repository not set: reading %s, %s", path, why)
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, repository=str(path)))
 
 
 def _config_from_serve(pid: int | None) -> ControllerConfig:
@@ -535,7 +561,8 @@ def _config_from_serve(pid: int | None) -> ControllerConfig:
     if key:
         os.environ[server.auth_key_env] = key
     log.info("using serve pid %d: gRPC %s, HTTP %s", state.pid, server.grpc_url, server.http_url)
-    return ControllerConfig(server=server)
+    # why: serve's repository, which its run state records, is what the controller reads for versions and BLS calls
+    return ControllerConfig(server=dataclasses.replace(server, repository=state.get("repository")))
 
 
 def _check_repository_access(server: ServerConfig, headers: dict, dry_run: bool = False) -> None:

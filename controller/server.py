@@ -136,17 +136,12 @@ def _proc_text(pid: int, name: str) -> str:
         return ""
 
 
-def port_holder(port: int) -> str | None:
-    """Who listens on `port`, in words for an error ("tritonserver (pid 4242), started by serve pid 4200"), from
-    Linux's /proc; None where that cannot be read (another user's process, no /proc).
-
-    Why: the first thing a user does after a serve that was killed (kill -9, an OOM kill) is start it again, and a
-    tritonserver it left (one stuck in a model's load ignores the SIGTERM its parent's death sends) holds the ports;
-    "in use" alone leaves them to find it. A server's stub processes inherit its sockets, so of the processes that
-    hold one, the one whose parent does not hold it too is named."""
+def _port_pids(port: int) -> list[int]:
+    """The processes that hold a listening socket on `port` (a server and the stub processes that inherit its
+    sockets), from Linux's /proc; [] where none can be read."""
     inodes = _listening_inodes(port)
     if not inodes:
-        return None
+        return []
     holders: list[int] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -163,19 +158,84 @@ def port_holder(port: int) -> str | None:
             if link.startswith("socket:[") and link[8:-1] in inodes:
                 holders.append(int(entry.name))
                 break
+    return holders
+
+
+def _parent(pid: int) -> int:
+    stat = _proc_text(pid, "stat")
+    try:
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def repository_of_argv(argv: list[str], cwd: Path | None) -> tuple[Path | None, str]:
+    """The model repository a tritonserver command line names, as a folder here, and else why not (pure but for
+    checking that the folder exists). `--model-repository=X`, `--model-repository X` and the older `--model-store`;
+    a relative path is taken from the server's working folder `cwd`. Several repositories, a remote one (s3://,
+    gs://, as://) or a folder this machine does not see give None.
+    Example: ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit"] -> /models."""
+    repos: list[str] = []
+    for i, a in enumerate(argv):
+        for flag in ("--model-repository", "--model-store"):
+            if a == flag and i + 1 < len(argv):
+                repos.append(argv[i + 1])
+            elif a.startswith(flag + "="):
+                repos.append(a.split("=", 1)[1])
+    if not repos:
+        return None, "its command line names no --model-repository"
+    if len(set(repos)) > 1:
+        return None, f"it serves {len(set(repos))} repositories ({', '.join(sorted(set(repos)))})"
+    repo = repos[0]
+    if "://" in repo:
+        return None, f"its repository {repo} is not a folder on this machine"
+    path = Path(repo)
+    if not path.is_absolute():
+        if cwd is None:
+            return None, f"its repository {repo} is relative to a working folder not readable here"
+        path = cwd / path
+    if not path.is_dir():
+        return None, f"its repository {path} is not a folder this machine sees"
+    return path, ""
+
+
+def served_repository(port: int) -> tuple[Path | None, str]:
+    """The model repository of the tritonserver listening on `port` on this machine (its command line, from
+    /proc), and where it came from; (None, why) where no such process can be read (another user's, another
+    machine's, another container's) or its repository is not one folder here. `run` uses it where the config sets
+    no `server.repository`."""
+    pids = [p for p in _port_pids(port) if _proc_text(p, "comm") == "tritonserver"]
+    pid = next((p for p in pids if _parent(p) not in pids), None)
+    if pid is None:
+        return None, f"no tritonserver process this user can read listens on port {port}"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError as e:
+        return None, f"tritonserver pid {pid}'s command line is not readable ({e.strerror})"
+    try:
+        cwd: Path | None = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        cwd = None
+    path, why = repository_of_argv([a for a in argv if a], cwd)
+    return (path, f"the --model-repository of tritonserver pid {pid}") if path is not None else \
+        (None, f"tritonserver pid {pid}: {why}")
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on `port`, in words for an error ("tritonserver (pid 4242), started by serve pid 4200"), from
+    Linux's /proc; None where that cannot be read (another user's process, no /proc).
+
+    Why: the first thing a user does after a serve that was killed (kill -9, an OOM kill) is start it again, and a
+    tritonserver it left (one stuck in a model's load ignores the SIGTERM its parent's death sends) holds the ports;
+    "in use" alone leaves them to find it. A server's stub processes inherit its sockets, so of the processes that
+    hold one, the one whose parent does not hold it too is named."""
+    holders = _port_pids(port)
     if not holders:
         return None
-
-    def parent(pid: int) -> int:
-        stat = _proc_text(pid, "stat")
-        try:
-            return int(stat.rsplit(")", 1)[1].split()[1])
-        except (IndexError, ValueError):
-            return 0
-    pid = next((h for h in holders if parent(h) not in holders), holders[0])
+    pid = next((h for h in holders if _parent(h) not in holders), holders[0])
     comm = _proc_text(pid, "comm")
     words = f"{comm or 'a process'} (pid {pid})"
-    ppid = parent(pid)
+    ppid = _parent(pid)
     argv = _proc_text(ppid, "cmdline").split() if ppid > 1 else []
     if "serve" in argv and any(a == "controller" or a.endswith("triton-autotune") for a in argv):
         words += f", started by serve pid {ppid} (`python -m controller status --pid {ppid}`)"

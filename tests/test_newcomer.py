@@ -107,6 +107,14 @@ def test_status_with_nothing_running_says_so_in_one_line(run_folder, capsys):
                                         "(for a server started otherwise, pass --config FILE)"]
 
 
+def test_run_beside_a_serve_without_a_controller_reads_the_repository_serve_runs(run_folder):
+    from controller.cli import _config_from_serve
+    runstate.write({"started": time.time(), "phase": "running", "http_url": "127.0.0.1:1", "grpc_url": "127.0.0.1:2",
+                    "repository": "/srv/models"})
+    cfg = _config_from_serve(None)
+    assert (cfg.server.http_url, cfg.server.repository) == ("127.0.0.1:1", "/srv/models")
+
+
 def test_run_beside_a_serve_that_has_its_own_controller_refuses_and_a_starting_serve_is_said(run_folder, capsys):
     runstate.write({"started": time.time(), "phase": "running", "http_url": "127.0.0.1:1", "grpc_url": "127.0.0.1:2",
                     "controller_port": 1234})
