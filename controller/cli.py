@@ -501,8 +501,11 @@ def _supervise(server: TritonServer, stop: threading.Event, max_restarts: int, c
 
 
 def cmd_run(args) -> int:
+    from . import runstate
+    serve = None
     if args.config is None:
-        cfg = _with_overrides(_config_from_serve(args.pid), args)
+        cfg, serve = _config_from_serve(args.pid)
+        cfg = _with_overrides(cfg, args)
     else:
         cfg = _with_overrides(load_config(args.config), args)
     headers = cfg.server.auth_headers()
@@ -514,8 +517,19 @@ def cmd_run(args) -> int:
         return 0
     _check_repository_access(cfg.server, headers, cfg.loop.dry_run)
     cfg = _with_local_repository(cfg)
-    controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or None)
-    _run_controller(controller, endpoint, stop)
+    # why: beside a serve, `status` with no flags finds this controller through a file beside serve's, so its
+    # endpoint is always served (a free loopback port unless the config names one)
+    port = cfg.loop.metrics_port or (0 if serve is not None else None)
+    controller, endpoint = _start_controller(cfg, port)
+    if serve is not None and endpoint is not None:
+        runstate.write_beside(serve.pid, {"started": time.time(), "controller_port": endpoint.port,
+                                          "decision_log": cfg.loop.decision_log})
+        log.info("beside serve pid %d: `python -m controller status` shows this controller's view", serve.pid)
+    try:
+        _run_controller(controller, endpoint, stop)
+    finally:
+        if serve is not None:
+            runstate.remove_beside(serve.pid)
     return 0
 
 
@@ -544,15 +558,16 @@ def _with_local_repository(cfg: ControllerConfig) -> ControllerConfig:
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, repository=str(path)))
 
 
-def _config_from_serve(pid: int | None) -> ControllerConfig:
-    """`run` without --config: the serve on this machine (its addresses and key), else the defaults."""
+def _config_from_serve(pid: int | None):
+    """`run` without --config: the serve on this machine (its addresses and key) and its run state, else the
+    defaults and None."""
     from . import runstate
     from .status import read_key, server_config_from_state
     try:
         state = runstate.choose(pid)
     except runstate.NothingRunning:
         log.info("no serve found in %s; using the default addresses (loopback 8000/8001/8002)", runstate.run_dir(create=False))
-        return ControllerConfig()
+        return ControllerConfig(), None
     if state.get("controller_port"):
         raise UsageError(f"run: serve pid {state.pid} already runs a controller on its models; start serve with "
                          "--no-controller to run one separately (or pass --config for another server)")
@@ -562,7 +577,7 @@ def _config_from_serve(pid: int | None) -> ControllerConfig:
         os.environ[server.auth_key_env] = key
     log.info("using serve pid %d: gRPC %s, HTTP %s", state.pid, server.grpc_url, server.http_url)
     # why: serve's repository, which its run state records, is what the controller reads for versions and BLS calls
-    return ControllerConfig(server=dataclasses.replace(server, repository=state.get("repository")))
+    return ControllerConfig(server=dataclasses.replace(server, repository=state.get("repository"))), state
 
 
 def _check_repository_access(server: ServerConfig, headers: dict, dry_run: bool = False) -> None:

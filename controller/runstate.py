@@ -12,6 +12,9 @@ The file holds the *path* of the key file, never the key. The folder is, in this
 `$TRITON_AUTOTUNE_RUN_DIR`; `$XDG_RUNTIME_DIR/triton-autotune` when that is set and writable;
 `~/.cache/triton-autotune/run`. Readers drop (and delete) files whose process is gone, so a `serve`
 killed with SIGKILL does not leave `status` pointing at a dead server.
+
+`run` with no flags beside a `serve --no-controller` writes `run-beside-<serve pid>-<its pid>.json` (its
+controller's port and decision log), so that `status` with no flags shows that controller's view.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Any
 
 ENV_RUN_DIR = "TRITON_AUTOTUNE_RUN_DIR"
 PREFIX = "serve-"
+BESIDE = "run-beside-"     # `run` beside a `serve --no-controller`: run-beside-<serve pid>-<run pid>.json
 
 
 class RunStateError(RuntimeError):
@@ -94,22 +98,63 @@ def pid_alive(pid: int, start: str | None = None) -> bool:
     return True
 
 
-def write(state: dict[str, Any], folder: Path | None = None) -> Path:
-    """Write this process's run-state file atomically, mode 0600; returns its path."""
-    folder = folder or run_dir()
-    pid = int(state.get("pid") or os.getpid())
-    doc = {"pid": pid, "process_start": _process_start(pid), **state}
-    fd, tmp = tempfile.mkstemp(prefix=f".{PREFIX}{pid}.", suffix=".tmp", dir=folder)
+def _write_json(path: Path, doc: dict[str, Any]) -> Path:
+    """`doc` to `path` atomically (a temporary name, then renamed), mode 0600."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1)
-        path = state_path(pid, folder)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write(state: dict[str, Any], folder: Path | None = None) -> Path:
+    """Write this process's run-state file atomically, mode 0600; returns its path."""
+    folder = folder or run_dir()
+    pid = int(state.get("pid") or os.getpid())
+    return _write_json(state_path(pid, folder), {"pid": pid, "process_start": _process_start(pid), **state})
+
+
+# ---- a controller that `run` started beside a `serve --no-controller` -----------------------------------------
+
+def beside_path(serve_pid: int, pid: int, folder: Path | None = None) -> Path:
+    return (folder or run_dir()) / f"{BESIDE}{serve_pid}-{pid}.json"
+
+
+def write_beside(serve_pid: int, state: dict[str, Any], folder: Path | None = None) -> Path:
+    """`run`'s file beside the serve it runs a controller for (`controller_port`, `decision_log`): how `status`
+    with no flags finds that controller. Not a serve's file (`live_serves` does not list it)."""
+    pid = os.getpid()
+    return _write_json(beside_path(serve_pid, pid, folder), {"pid": pid, "process_start": _process_start(pid),
+                                                              "serve_pid": serve_pid, **state})
+
+
+def controller_beside(serve_pid: int, folder: Path | None = None) -> dict[str, Any] | None:
+    """The live `run` beside serve `serve_pid` (the newest, if several), else None; files of gone ones deleted."""
+    folder = folder or run_dir(create=False)
+    found = []
+    for path in sorted(folder.glob(f"{BESIDE}{serve_pid}-*.json")) if folder.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text())
+            pid = int(doc["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not pid_alive(pid, doc.get("process_start")):
+            path.unlink(missing_ok=True)
+            continue
+        found.append(doc)
+    return max(found, key=lambda d: d.get("started", 0)) if found else None
+
+
+def remove_beside(serve_pid: int, folder: Path | None = None) -> None:
+    try:
+        beside_path(serve_pid, os.getpid(), folder or run_dir(create=False)).unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def remove(pid: int | None = None, folder: Path | None = None) -> None:

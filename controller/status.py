@@ -81,9 +81,12 @@ def target_from_state(state: runstate.ServeState) -> Target:
     server = server_config_from_state(state)
     key = read_key(state, server.auth_key_env)
     headers = {server.auth_header: key} if server.auth_header and key else {}
-    port = state.get("controller_port")
+    port, decision_log = state.get("controller_port"), state.get("decision_log")
+    beside = None if port else runstate.controller_beside(state.pid)
+    if beside is not None:      # `run` with no flags beside this serve --no-controller
+        port, decision_log = beside.get("controller_port"), beside.get("decision_log") or decision_log
     why = "" if port else "serve runs with --no-controller"
-    return Target(server, headers, port, state.get("decision_log"), tuple(state.get("models") or ()), serve=state,
+    return Target(server, headers, port, decision_log, tuple(state.get("models") or ()), serve=state,
                   no_controller_why=why)
 
 
@@ -178,6 +181,11 @@ def gather(target: Target, last: int = 3) -> dict[str, Any]:
             if absent:
                 # why: under --no-controller nothing is tuned; the line says only that serve was not given it
                 models[name]["unmanaged_why"] = "loaded on the server, not one of serve's models (--models)"
+            elif snapshot is None and target.serve is None and target.models:
+                # why: without the controller's own view, a model the config does not name may still be managed
+                models[name]["unmanaged_why"] = ("not named in the config; the controller (not reachable) may manage "
+                                                 "it all the same, as an ensemble's step or a model a BLS model calls")
+                models[name]["unmanaged_guess"] = True
             if entry["state"] == "READY":
                 live_settings(name, models[name])
     finally:
@@ -551,7 +559,7 @@ def _summary_row(name: str, m: dict) -> list[str]:
     if ens:
         why = "ensemble: tuned through its steps"
     elif m.get("unmanaged"):
-        why = "not managed"
+        why = "not named in the config" if m.get("unmanaged_guess") else "not managed"
     elif "reason" not in m:
         log = m.get("log") or []          # no controller to ask: its decision log's last record
         why = str(log[-1].get("reason") or "-") + " (logged)" if log else "-"

@@ -111,8 +111,29 @@ def test_run_beside_a_serve_without_a_controller_reads_the_repository_serve_runs
     from controller.cli import _config_from_serve
     runstate.write({"started": time.time(), "phase": "running", "http_url": "127.0.0.1:1", "grpc_url": "127.0.0.1:2",
                     "repository": "/srv/models"})
-    cfg = _config_from_serve(None)
-    assert (cfg.server.http_url, cfg.server.repository) == ("127.0.0.1:1", "/srv/models")
+    cfg, state = _config_from_serve(None)
+    assert (cfg.server.http_url, cfg.server.repository) == ("127.0.0.1:1", "/srv/models") and state.pid == os.getpid()
+
+
+def test_status_with_no_flags_finds_the_controller_that_run_started_beside_a_serve_without_one(run_folder):
+    """serve --no-controller, then `run` with no flags: its file beside serve's names its port, so `status` shows
+    that controller; a file whose run is gone is dropped, and serve's own list never holds it."""
+    from controller.status import target_from_state
+    runstate.write({"started": time.time(), "phase": "running", "http_url": "127.0.0.1:1", "grpc_url": "127.0.0.1:2",
+                    "decision_log": "/serve/decisions.jsonl"})
+    serve = runstate.choose(None)
+    alone = target_from_state(serve)
+    assert alone.controller_port is None and alone.no_controller_why == "serve runs with --no-controller"
+    runstate.write_beside(serve.pid, {"started": time.time(), "controller_port": 40123, "decision_log": None})
+    found = target_from_state(runstate.choose(None))
+    assert (found.controller_port, found.no_controller_why, found.decision_log) == \
+        (40123, "", "/serve/decisions.jsonl")
+    assert [s.pid for s in runstate.live_serves()] == [serve.pid]
+    gone = runstate.beside_path(serve.pid, _dead_pid())
+    gone.write_text(json.dumps({"pid": int(gone.stem.rsplit("-", 1)[1]), "controller_port": 1, "started": 2e9}))
+    assert runstate.controller_beside(serve.pid)["controller_port"] == 40123 and not gone.exists()
+    runstate.remove_beside(serve.pid)
+    assert runstate.controller_beside(serve.pid) is None and target_from_state(serve).controller_port is None
 
 
 def test_run_beside_a_serve_that_has_its_own_controller_refuses_and_a_starting_serve_is_said(run_folder, capsys):

@@ -51,9 +51,10 @@ def test_status_without_a_controller_prints_live_configs_and_recent_decisions(se
     assert "-> 7 inst" in shown[-1]
 
 
-def test_status_shows_what_else_the_server_runs_as_not_tuned(server, tmp_path):
+def test_status_shows_what_else_the_server_runs_as_not_named_in_the_config(server, tmp_path):
     """A model on the server that the config does not name (loaded by hand beside the managed ones) is listed after
-    them with its live settings, said to be not tuned; in --json, `unmanaged`."""
+    them with its live settings, said to be not named (the controller, not reachable here, could still manage it: an
+    ensemble's step, a model a BLS model calls); in --json, `unmanaged`."""
     path = tmp_path / "one.yaml"
     path.write_text(yaml.safe_dump({
         "server": {"http_url": server.http_url, "grpc_url": server.grpc_url, "metrics_url": server.metrics_url},
@@ -64,7 +65,9 @@ def test_status_shows_what_else_the_server_runs_as_not_tuned(server, tmp_path):
     lines = r.stdout.splitlines()
     at = lines.index("resnet_tiny  READY  1 instance, delay 0 us")
     assert at > lines.index("sim_accel  READY  1 instance, delay 0 us")
-    assert lines[at + 1] == "  model  loaded on the server but not given to serve or the controller: not tuned"
+    assert lines[at + 1] == ("  model  not named in the config; the controller (not reachable) may manage it all the "
+                             "same, as an ensemble's step or a model a BLS model calls")
+    assert any(ln.split()[:2] == ["resnet_tiny", "READY"] and ln.endswith("not named in the config") for ln in lines)
     r = subprocess.run([sys.executable, "-m", "controller", "status", "--config", str(path), "--json"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     doc = json.loads(r.stdout)
