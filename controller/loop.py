@@ -510,6 +510,15 @@ class Controller:
                 log.info("%s: p99 target %g -> %g ms (%s)", s, mm.limits.p99_target_ms, t.target_ms, t.why)
                 mm.limits = dataclasses.replace(mm.limits, p99_target_ms=t.target_ms)
             mm.target_from = t if t.ensemble else None
+        for mm in self.models.values():
+            # a model no view holds any more (its caller's source no longer names it, its ensemble dropped the step)
+            # runs under its own target again; a gap in a view's data keeps the target instead (ensemble.plan)
+            if mm.target_from is not None and mm.name not in planned:
+                own_ms = self.config.limits_for(mm.name).p99_target_ms
+                log.info("%s: p99 target %g -> %g ms, its own (%s no longer passes it one)", mm.name,
+                         mm.limits.p99_target_ms, own_ms, mm.target_from.ensemble)
+                mm.limits = dataclasses.replace(mm.limits, p99_target_ms=own_ms)
+                mm.target_from = None
 
     def _prefer(self, mm: ManagedModel, room: dict[str, int] | None = None) -> tuple[str, ...]:
         """For a model on several devices: where to add instances first (groups.preference), from the readings

@@ -405,6 +405,35 @@ def test_the_loop_passes_a_callers_target_to_a_callee_its_source_names_and_statu
         ctl.close()
 
 
+def test_a_callee_its_caller_no_longer_names_runs_under_its_own_target_again(tmp_path):
+    """bls's model.py named plain, then was edited not to (read again every DISCOVER_EVERY_S): plain's target goes
+    back to its own, rather than keeping bls's for the controller's life."""
+    from controller.config import ControllerConfig, ModelLimits, ServerConfig
+    from controller.loop import DISCOVER_EVERY_S, Controller
+    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, run_ticks
+    (tmp_path / "bls" / "1").mkdir(parents=True)
+    code = tmp_path / "bls" / "1" / "model.py"
+    code.write_text(BLS_SOURCE)
+    clock = Clock()
+    control = FakeControl(["bls", "plain"])
+    for c in control.configs.values():
+        c["backend"] = "python"
+    cfg = ControllerConfig(server=ServerConfig(repository=str(tmp_path)), loop=LOOP,
+                           defaults=ModelLimits(p99_target_ms=1000.0), models={"bls": ModelLimits(p99_target_ms=60.0)})
+    ctl = Controller(cfg, control=control, clock=clock, traces=_FeedOnce([]),
+                     scraper=FakeScraper(clock, {m: FakeModel(20, 5, 4) for m in ("bls", "plain")}))
+    try:
+        run_ticks(ctl, clock, 4)
+        plain = ctl.models["plain"]
+        assert plain.limits.p99_target_ms == 60.0 and plain.target_from.ensemble == "bls"
+        code.write_text(BLS_SOURCE.replace('"plain"', '"elsewhere"') + "\n")
+        clock.t += DISCOVER_EVERY_S
+        run_ticks(ctl, clock, 2)
+        assert ctl.calls.edges() == () and plain.limits.p99_target_ms == 1000.0 and plain.target_from is None
+    finally:
+        ctl.close()
+
+
 def test_without_a_readable_repository_no_source_is_read():
     from controller.config import ControllerConfig, ModelLimits, ServerConfig
     from controller.loop import Controller
