@@ -35,7 +35,8 @@ An edge stays for the controller's life (a caller gone quiet still calls when it
 defaults' loose) target while every request of the caller waits on it. Where this machine can read the
 repository (serve's; `server.repository` for `run`), `named_in_source` reads the Python model's own `.py`
 files: one that builds an `InferenceRequest` and holds a string constant equal to the name of another model of
-the repository (`CALLEE = "plain"`, `model_name="plain"`) is taken to call it. `CallGraph.declare` records
+the repository (`CALLEE = "plain"`, `model_name="plain"`, or a config parameter's value where the code reads the
+name from there) is taken to call it. `CallGraph.declare` records
 such an edge; until the traces show it, it counts as one call a request, one in sequence (the least a caller
 that calls can make), and `traced` says it was not measured. A name built at run time (read from the model's
 parameters, say) is not found; a constant naming a model the code never calls is taken as a call (it asks the
@@ -78,15 +79,15 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return 1000.0 * total
 
 
-def _constants(text: str) -> frozenset[str]:
-    """The string constants of Python source `text` where it builds an `InferenceRequest` (a name or an attribute:
-    `pb_utils.InferenceRequest`); empty otherwise, or where the text is not Python."""
+def _constants(text: str) -> tuple[bool, frozenset[str]]:
+    """Whether Python source `text` builds an `InferenceRequest` (a name or an attribute:
+    `pb_utils.InferenceRequest`), and then its string constants (else none); (False, {}) where it is not Python."""
     if "InferenceRequest" not in text:
-        return frozenset()
+        return False, frozenset()
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
-        return frozenset()
+        return False, frozenset()
     builds, found = False, set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id == "InferenceRequest" or \
@@ -94,7 +95,7 @@ def _constants(text: str) -> frozenset[str]:
             builds = True
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) <= NAME_CHARS:
             found.add(node.value)
-    return frozenset(found) if builds else frozenset()
+    return (True, frozenset(found)) if builds else (False, frozenset())
 
 
 def names_in_code(text: str, names: Iterable[str]) -> set[str]:
@@ -102,7 +103,7 @@ def names_in_code(text: str, names: Iterable[str]) -> set[str]:
     `InferenceRequest`; empty otherwise. A docstring that mentions a model among other words is not its name.
     Example: `CALLEE = "plain"` ... `pb_utils.InferenceRequest(model_name=CALLEE, ...)` with names {"plain", "ens"}
     gives {"plain"}."""
-    return set(_constants(text) & set(names))
+    return set(_constants(text)[1] & set(names))
 
 
 def _py_files(model_dir: Path) -> list[Path]:
@@ -122,13 +123,17 @@ def _py_files(model_dir: Path) -> list[Path]:
 
 
 def named_in_source(model_dir: Path, names: Iterable[str],
-                    cache: dict[Path, tuple[int, int, frozenset[str]]] | None = None) -> tuple[str, ...]:
+                    cache: dict[Path, tuple[int, int, bool, frozenset[str]]] | None = None,
+                    parameters: Iterable[str] = ()) -> tuple[str, ...]:
     """The other models (of `names`) that the Python model in `model_dir` names where it builds an
     `InferenceRequest` (`names_in_code`), over its `.py` files (`_py_files`, each under SOURCE_BYTES); () where
-    none can be read. The model's own name is never its callee. `cache` (path -> (mtime ns, size, constants))
-    spares reading a file again that has not changed (the loop reads every model's files every few seconds)."""
+    none can be read. `parameters`: the string values of the model's config parameters, which count as its
+    constants where one of its files builds an InferenceRequest (`model_name=self.params["downstream"]`, a BLS
+    model told its callee in its config). The model's own name is never its callee. `cache` (path -> (mtime ns,
+    size, builds, constants)) spares reading a file again that has not changed (the loop reads every few seconds)."""
     others = set(names) - {model_dir.name}
     found: set[str] = set()
+    builds = False
     try:
         files = _py_files(model_dir)
     except OSError:
@@ -140,12 +145,15 @@ def named_in_source(model_dir: Path, names: Iterable[str],
                 continue
             hit = cache.get(f) if cache is not None else None
             if hit is None or hit[:2] != (st.st_mtime_ns, st.st_size):
-                hit = (st.st_mtime_ns, st.st_size, _constants(f.read_text(errors="replace")))
+                hit = (st.st_mtime_ns, st.st_size, *_constants(f.read_text(errors="replace")))
                 if cache is not None:
                     cache[f] = hit
-            found |= hit[2] & others
+            builds = builds or hit[2]
+            found |= hit[3] & others
         except OSError:
             continue
+    if builds:
+        found |= set(parameters) & others
     return tuple(sorted(found))
 
 

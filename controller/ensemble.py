@@ -144,7 +144,7 @@ class EnsembleView:
         if self.calls is None:
             return f"a request of {self.name} passes through {step}"
         if step in self.untraced:
-            return f"{self.name} calls {step} (named in its model.py; its calls are not traced)"
+            return f"{self.name} calls {step} (named in its model.py or config; its calls are not traced)"
         return f"{self.name} calls {step} (seen in its request traces)"
 
 

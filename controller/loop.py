@@ -197,7 +197,7 @@ class Controller:
         self._discovered_at = -math.inf                     # when the server's READY models were last listed
         self._sources_at = -math.inf                        # when the Python models' sources were last read
         self._sources_read: set[str] = set()                # the models whose sources have been read (calls.py)
-        self._source_cache: dict[Path, tuple[int, int, frozenset[str]]] = {}   # .py file -> (mtime, size, constants)
+        self._source_cache: dict[Path, tuple[int, int, bool, frozenset[str]]] = {}  # .py -> (mtime, size, builds, consts)
         self._index_read: tuple[list[dict], Exception | None] | None = None   # this tick's repository index (_index)
         self._said_nothing_ready = False
         self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
@@ -478,12 +478,13 @@ class Controller:
             self._source_cache.clear()      # why: bounded; files renamed or removed leave entries behind
         for mm in python:
             before = set(self.calls.callees(mm.name))
-            named = named_in_source(self.repository / mm.name, ready, self._source_cache)
+            named = named_in_source(self.repository / mm.name, ready, self._source_cache,
+                                    _parameter_values(mm.live_config))
             self.calls.declare(mm.name, named)
             self._sources_read.add(mm.name)
             for c in sorted(set(named) - before):
                 if not self.calls.traced(mm.name, c):
-                    log.info("%s: its model.py names %s where it builds an InferenceRequest: taken as calling it once a "
+                    log.info("%s: its model.py (or its config) names %s where it builds an InferenceRequest: taken as calling it once a "
                              "request (its target passes to %s) until its request traces show the calls; pass "
                              "trace=request.trace() to the InferenceRequest for them to", mm.name, c, c)
 
@@ -1136,6 +1137,15 @@ def owner_status(mm: ManagedModel, me: OwnerMark) -> dict | None:
     v = mm.owner
     return {"owner": mm.mark.owner, "status_url": mm.mark.status_url, "mine": mm.mark.owner == me.owner,
             "state": None if v is None else v.state, "detail": (v.detail or None) if v is not None else None}
+
+
+def _parameter_values(cfg: dict | None) -> tuple[str, ...]:
+    """The string values of a model config's `parameters` (Triton's JSON: {key: {"string_value": ...}})."""
+    params = (cfg or {}).get("parameters") or {}
+    if not isinstance(params, dict):
+        return ()
+    return tuple(v["string_value"] for v in params.values()
+                 if isinstance(v, dict) and isinstance(v.get("string_value"), str))
 
 
 def _int_parameter(cfg: dict, key: str) -> int | None:

@@ -325,7 +325,7 @@ def _calls_row(calls: dict) -> str:
     named = [c for c, k in calls.items() if not k.get("traced", True)]
     parts = [", ".join(seen) + ", seen in its request traces"] if seen else []
     if named:
-        parts.append(", ".join(named) + " named in its model.py, taken as 1 call a request (its calls are not "
+        parts.append(", ".join(named) + " named in its model.py or config, taken as 1 call a request (its calls are not "
                      "traced: pass trace=request.trace() to the InferenceRequest to measure them)")
     return "; ".join(parts) + ": their latency is part of this model's"
 
@@ -410,8 +410,8 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
         seen = [c for c in m["called_by"] if c not in untraced]
         rows.append(("called by", "; ".join(
             ([", ".join(seen) + ", seen in their request traces"] if seen else [])
-            + ([", ".join(sorted(untraced)) + (", which names it in its model.py" if len(untraced) == 1 else
-                                                ", which name it in their model.py") + " (calls not traced)"]
+            + ([", ".join(sorted(untraced)) + (", which names it in its model.py or config" if len(untraced) == 1 else
+                                                ", which name it in their model.py or config") + " (calls not traced)"]
                if untraced else []))))
     if m.get("versions"):       # several versions loaded: each runs the instance count shown
         rows.append(("versions", _versions_line(m["versions"], m.get("instances"))))

@@ -316,15 +316,38 @@ def test_a_file_unchanged_since_it_was_read_is_not_read_again_and_a_changed_one_
     cache: dict = {}
     names = {"plain", "tok"}
     assert named_in_source(tmp_path / "bls", names, cache) == ("plain",) and list(cache) == [code]
-    mtime, size, _ = cache[code]
-    cache[code] = (mtime, size, frozenset({"tok"}))      # what an unchanged file's entry says is what counts
+    mtime, size, builds, _ = cache[code]
+    assert builds
+    cache[code] = (mtime, size, True, frozenset({"tok"}))      # what an unchanged file's entry says is what counts
     assert named_in_source(tmp_path / "bls", names, cache) == ("tok",)
     code.write_text(BLS_SOURCE.replace('"plain"', '"tok"') + "\n")
     os.utime(code, ns=(mtime + 10**9, mtime + 10**9))
-    assert named_in_source(tmp_path / "bls", names, cache) == ("tok",) and cache[code][2] >= {"tok"}
+    assert named_in_source(tmp_path / "bls", names, cache) == ("tok",) and cache[code][3] >= {"tok"}
     code.write_text(BLS_SOURCE + "\n\n")
     os.utime(code, ns=(mtime + 2 * 10**9, mtime + 2 * 10**9))
     assert named_in_source(tmp_path / "bls", names, cache) == ("plain",)
+
+
+def test_a_callee_named_in_the_models_config_parameters_counts_where_its_code_builds_a_request(tmp_path):
+    """A BLS model told its callee in its config (`parameters {key: "downstream" value {string_value: "plain"}}`,
+    read as `model_name=params["downstream"]["string_value"]`): the parameter's value counts as a constant of its
+    code, where that code builds an InferenceRequest, and not for a model whose code builds none."""
+    (tmp_path / "bls" / "1").mkdir(parents=True)
+    (tmp_path / "bls" / "1" / "model.py").write_text(
+        "import json\nimport triton_python_backend_utils as pb_utils\n\n\nclass TritonPythonModel:\n"
+        "    def initialize(self, args):\n"
+        "        self.callee = json.loads(args['model_config'])['parameters']['downstream']['string_value']\n\n"
+        "    def execute(self, requests):\n"
+        "        return [pb_utils.InferenceRequest(model_name=self.callee, inputs=[]).exec() for _ in requests]\n")
+    (tmp_path / "net" / "1").mkdir(parents=True)
+    (tmp_path / "net" / "1" / "model.py").write_text("x = 'plain'\n")
+    names = {"bls", "net", "plain", "tok"}
+    assert named_in_source(tmp_path / "bls", names) == ()
+    assert named_in_source(tmp_path / "bls", names, parameters=["plain", "fp16", "bls"]) == ("plain",)
+    assert named_in_source(tmp_path / "net", names, parameters=["plain"]) == ()
+    from controller.loop import _parameter_values
+    assert _parameter_values({"parameters": {"downstream": {"string_value": "plain"}, "n": {"x": 1}}}) == ("plain",)
+    assert _parameter_values(None) == () and _parameter_values({"parameters": []}) == ()
 
 
 def test_a_vendored_tree_under_a_model_is_not_walked_to_its_end(tmp_path):
@@ -376,31 +399,35 @@ def test_the_loop_passes_a_callers_target_to_a_callee_its_source_names_and_statu
     from controller.loop import Controller
     from controller.status import format_model
     from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, run_ticks
-    for name, code in (("bls", BLS_SOURCE), ("plain", "x = 1\n"), ("other", BLS_SOURCE.replace('"plain"', '"gone"'))):
+    by_param = BLS_SOURCE.replace('CALLEE = "plain"', 'CALLEE = PARAMS["downstream"]["string_value"]')
+    for name, code in (("bls", BLS_SOURCE), ("plain", "x = 1\n"), ("other", BLS_SOURCE.replace('"plain"', '"gone"')),
+                       ("cfgbls", by_param)):
         (tmp_path / name / "1").mkdir(parents=True)
         (tmp_path / name / "1" / "model.py").write_text(code)
     clock = Clock()
-    control = FakeControl(["bls", "plain"])
+    control = FakeControl(["bls", "plain", "cfgbls"])
     for cfg in control.configs.values():
         cfg["backend"] = "python"
+    control.configs["cfgbls"]["parameters"] = {"downstream": {"string_value": "plain"}}   # its callee, in its config
     cfg = ControllerConfig(server=ServerConfig(repository=str(tmp_path)), loop=LOOP,
-                           defaults=ModelLimits(p99_target_ms=1000.0), models={"bls": ModelLimits(p99_target_ms=60.0)})
-    fakes = {m: FakeModel(20, 5, 4) for m in ("bls", "plain")}
+                           defaults=ModelLimits(p99_target_ms=1000.0),
+                           models={"bls": ModelLimits(p99_target_ms=60.0), "cfgbls": ModelLimits(p99_target_ms=500.0)})
+    fakes = {m: FakeModel(20, 5, 4) for m in ("bls", "plain", "cfgbls")}
     ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=_FeedOnce([]))
     try:
         run_ticks(ctl, clock, 4)
-        assert ctl.calls.edges() == (("bls", "plain"),) and not ctl.calls.traced("bls", "plain")
+        assert ctl.calls.edges() == (("bls", "plain"), ("cfgbls", "plain")) and not ctl.calls.traced("bls", "plain")
         plain = ctl.models["plain"]
         assert plain.limits.p99_target_ms == 60.0 and plain.target_from.ensemble == "bls"
         assert "named in its model.py" in plain.target_from.why
         snap = ctl.status_snapshot()["models"]
         assert snap["bls"]["calls"] == {"plain": {"per_request": 1.0, "in_sequence": 1.0, "traced": False}}
-        assert snap["plain"]["called_by_untraced"] == ["bls"]
+        assert snap["plain"]["called_by_untraced"] == ["bls", "cfgbls"]
         calls = next(ln for ln in format_model("bls", {**snap["bls"], "state": "READY"}) if "calls" in ln.split()[:1])
         assert "plain named in its model.py" in calls and "trace=request.trace()" in calls, calls
         called_by = next(ln for ln in format_model("plain", {**snap["plain"], "state": "READY"})
                          if ln.split()[:2] == ["called", "by"])
-        assert "bls, which names it in its model.py (calls not traced)" in called_by, called_by
+        assert "bls, cfgbls, which name it in their model.py or config (calls not traced)" in called_by, called_by
     finally:
         ctl.close()
 
