@@ -197,7 +197,8 @@ class Controller:
         self._discovered_at = -math.inf                     # when the server's READY models were last listed
         self._sources_at = -math.inf                        # when the Python models' sources were last read
         self._sources_read: set[str] = set()                # the models whose sources have been read (calls.py)
-        self._source_cache: dict[Path, tuple[int, int, bool, frozenset[str]]] = {}  # .py -> (mtime, size, builds, consts)
+        # a .py file read -> (mtime, size, whether it builds an InferenceRequest, its string constants)
+        self._source_cache: dict[Path, tuple[int, int, bool, frozenset[str]]] = {}
         self._index_read: tuple[list[dict], Exception | None] | None = None   # this tick's repository index (_index)
         self._said_nothing_ready = False
         self._seen: dict[str, tuple[float, dict]] = {}     # per model: the last valid observation (time, summary)
@@ -467,7 +468,8 @@ class Controller:
             return
         python = [mm for mm in self.models.values()
                   if mm.kind is not None and mm.kind.managed and not mm.kind.ensemble and mm.kind.backend == "python"]
-        if not python or (now - self._sources_at < DISCOVER_EVERY_S and all(m.name in self._sources_read for m in python)):
+        unread = any(m.name not in self._sources_read for m in python)
+        if not python or (now - self._sources_at < DISCOVER_EVERY_S and not unread):
             return
         try:
             ready = self._ready_on_server()
@@ -484,9 +486,9 @@ class Controller:
             self._sources_read.add(mm.name)
             for c in sorted(set(named) - before):
                 if not self.calls.traced(mm.name, c):
-                    log.info("%s: its model.py (or its config) names %s where it builds an InferenceRequest: taken as calling it once a "
-                             "request (its target passes to %s) until its request traces show the calls; pass "
-                             "trace=request.trace() to the InferenceRequest for them to", mm.name, c, c)
+                    log.info("%s: its model.py (or its config) names %s where it builds an InferenceRequest: taken "
+                             "as calling it once a request (its target passes to %s) until its request traces show "
+                             "the calls; pass trace=request.trace() to the InferenceRequest for them to", mm.name, c, c)
 
     def _pass_ensemble_targets(self, now: float) -> None:
         """An ensemble's p99 target to the step that holds its latency, and a caller's (BLS) to the model it calls

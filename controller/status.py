@@ -325,8 +325,8 @@ def _calls_row(calls: dict) -> str:
     named = [c for c, k in calls.items() if not k.get("traced", True)]
     parts = [", ".join(seen) + ", seen in its request traces"] if seen else []
     if named:
-        parts.append(", ".join(named) + " named in its model.py or config, taken as 1 call a request (its calls are not "
-                     "traced: pass trace=request.trace() to the InferenceRequest to measure them)")
+        parts.append(", ".join(named) + " named in its model.py or config, taken as 1 call a request (its calls are "
+                     "not traced: pass trace=request.trace() to the InferenceRequest to measure them)")
     return "; ".join(parts) + ": their latency is part of this model's"
 
 

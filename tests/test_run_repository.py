@@ -46,7 +46,8 @@ def test_run_without_server_repository_reads_the_one_its_local_server_was_given(
         assert path == (ROOT / "model_repository").resolve() and why.startswith("the --model-repository of "), why
         cfg = tmp_path / "c.yaml"
         cfg.write_text(f"server: {{http_url: '{server.http_url}', grpc_url: '{server.grpc_url}', "
-                       f"metrics_url: '{server.metrics_url}'}}\ncontroller: {{decision_log: '{tmp_path / 'd.jsonl'}'}}\n")
+                       f"metrics_url: '{server.metrics_url}'}}\n"
+                       f"controller: {{decision_log: '{tmp_path / 'd.jsonl'}'}}\n")
         caplog.set_level(logging.INFO, logger="controller")
         assert main(["run", "--config", str(cfg), "--duration-s", "2", "--dry-run"]) == 0
         said = [r.getMessage() for r in caplog.records if "server.repository" in r.getMessage()]
