@@ -283,8 +283,10 @@ def _with_overrides(cfg: ControllerConfig, args) -> ControllerConfig:
     return dataclasses.replace(cfg, loop=loop)
 
 
-def _start_controller(cfg: ControllerConfig, port: int | None):
-    """A Controller and, when `port` is not None, its loopback endpoint (/metrics, /status; 0: a free port)."""
+def _start_controller(cfg: ControllerConfig, port: int | None, mark: bool = True):
+    """A Controller and, when `port` is not None, its loopback endpoint (/metrics, /status; 0: a free port).
+    `mark`: its status URL goes into the owner marks it writes (controller/ownership.py); `run` on a port the config
+    did not name marks nothing, as before it served one (a claim is a full reload of each model)."""
     from .loop import Controller
     controller = Controller(cfg)
     endpoint = None
@@ -302,7 +304,8 @@ def _start_controller(cfg: ControllerConfig, port: int | None):
         import socket
         reach = "127.0.0.1" if host in ("127.0.0.1", "::1", "localhost") else \
             (socket.gethostname() if host in ("0.0.0.0", "::") else host)
-        controller.set_status_url(f"http://{_hostport(reach)}:{endpoint.port}/status")   # goes into the owner mark
+        if mark:
+            controller.set_status_url(f"http://{_hostport(reach)}:{endpoint.port}/status")   # goes into the owner mark
     return controller, endpoint
 
 
@@ -390,7 +393,7 @@ def cmd_serve(args) -> int:
                 # why: a newcomer's first question is "what did it do?"; the log outlives the serve
                 cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
                     cfg.loop, decision_log=str(runstate.serve_dir(os.getpid(), folder) / "decisions.jsonl")))
-            controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0)
+            controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0, mark=bool(cfg.loop.metrics_port))
             premarked = controller.first_load_configs(server.options.repository, served)
         server.start(premarked)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: HTTP {server.http_url}, gRPC {server.grpc_url}, "
@@ -517,19 +520,24 @@ def cmd_run(args) -> int:
         return 0
     _check_repository_access(cfg.server, headers, cfg.loop.dry_run)
     cfg = _with_local_repository(cfg)
-    # why: beside a serve, `status` with no flags finds this controller through a file beside serve's, so its
-    # endpoint is always served (a free loopback port unless the config names one)
-    port = cfg.loop.metrics_port or (0 if serve is not None else None)
-    controller, endpoint = _start_controller(cfg, port)
-    if serve is not None and endpoint is not None:
-        runstate.write_beside(serve.pid, {"started": time.time(), "controller_port": endpoint.port,
-                                          "decision_log": cfg.loop.decision_log})
+    # why: `status` finds this controller through a file in the run-state folder (beside serve's, or naming the
+    # config file), so its endpoint is always served: on a free loopback port unless the config names one
+    if not cfg.loop.metrics_port:      # why: a port the config did not ask for stays on loopback
+        cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, metrics_address="127.0.0.1"))
+    controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0, mark=bool(cfg.loop.metrics_port))
+    state = {"started": time.time(), "controller_port": endpoint.port, "decision_log": cfg.loop.decision_log}
+    written = None
+    if serve is not None:
+        written = runstate.write_beside(serve.pid, state)
         log.info("beside serve pid %d: `python -m controller status` shows this controller's view", serve.pid)
+    elif not cfg.loop.metrics_port and args.config is not None:
+        written = runstate.write_config_run(args.config, state)
+        log.info("`python -m controller status --config %s` shows this controller's view", args.config)
     try:
         _run_controller(controller, endpoint, stop)
     finally:
-        if serve is not None:
-            runstate.remove_beside(serve.pid)
+        if written is not None:
+            written.unlink(missing_ok=True)
     return 0
 
 

@@ -15,7 +15,7 @@ Every default lives in the dataclasses below (this is the one place). A YAML fil
       window_s: 20
       dry_run: false
       decision_log: decisions.jsonl
-      metrics_port: 9109              # 0: no Prometheus endpoint
+      metrics_port: 9109              # 0 (the default): a free loopback port, which `status` finds
       metrics_address: 127.0.0.1      # an IP address; 0.0.0.0 exposes /metrics and /status (a sidecar)
       gpu: auto                       # auto | nvml | simulated | none
       tracing: true                   # p99 from sampled request traces (needs the server's trace file)
@@ -71,7 +71,7 @@ class LoopConfig:
     min_span_s: float = 4.0             # a decision needs at least this much fresh data
     dry_run: bool = False               # decide and log, apply nothing
     decision_log: str | None = None     # JSONL file; None: none
-    metrics_port: int = 0               # the controller's own Prometheus endpoint; 0: off
+    metrics_port: int = 0               # the controller's own /metrics and /status; 0: a free loopback port (run, serve)
     metrics_address: str = "127.0.0.1"  # where it binds; another address (a sidecar: 0.0.0.0) exposes /metrics and /status
     gpu: str = "auto"                   # auto | nvml | simulated | none
     simulated_device_memory_mb: float = 2048.0   # device size when gpu: simulated

@@ -14,7 +14,9 @@ The file holds the *path* of the key file, never the key. The folder is, in this
 killed with SIGKILL does not leave `status` pointing at a dead server.
 
 `run` with no flags beside a `serve --no-controller` writes `run-beside-<serve pid>-<its pid>.json` (its
-controller's port and decision log), so that `status` with no flags shows that controller's view.
+controller's port and decision log), so that `status` with no flags shows that controller's view; `run --config
+FILE` whose config names no `controller.metrics_port` writes `run-config-<its pid>.json` (FILE's full path and the
+port it took), so that `status --config FILE` does.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any
 ENV_RUN_DIR = "TRITON_AUTOTUNE_RUN_DIR"
 PREFIX = "serve-"
 BESIDE = "run-beside-"     # `run` beside a `serve --no-controller`: run-beside-<serve pid>-<run pid>.json
+CONFIG_RUN = "run-config-"  # `run --config FILE` whose config names no metrics port: run-config-<run pid>.json
 
 
 class RunStateError(RuntimeError):
@@ -133,11 +136,11 @@ def write_beside(serve_pid: int, state: dict[str, Any], folder: Path | None = No
                                                               "serve_pid": serve_pid, **state})
 
 
-def controller_beside(serve_pid: int, folder: Path | None = None) -> dict[str, Any] | None:
-    """The live `run` beside serve `serve_pid` (the newest, if several), else None; files of gone ones deleted."""
+def _live_docs(pattern: str, folder: Path | None = None) -> list[dict[str, Any]]:
+    """The files matching `pattern` whose process runs, oldest first; files of gone ones deleted."""
     folder = folder or run_dir(create=False)
     found = []
-    for path in sorted(folder.glob(f"{BESIDE}{serve_pid}-*.json")) if folder.is_dir() else []:
+    for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
         try:
             doc = json.loads(path.read_text())
             pid = int(doc["pid"])
@@ -147,14 +150,35 @@ def controller_beside(serve_pid: int, folder: Path | None = None) -> dict[str, A
             path.unlink(missing_ok=True)
             continue
         found.append(doc)
-    return max(found, key=lambda d: d.get("started", 0)) if found else None
+    return sorted(found, key=lambda d: d.get("started", 0))
 
 
-def remove_beside(serve_pid: int, folder: Path | None = None) -> None:
-    try:
-        beside_path(serve_pid, os.getpid(), folder or run_dir(create=False)).unlink(missing_ok=True)
-    except OSError:
-        pass
+def controller_beside(serve_pid: int, folder: Path | None = None) -> dict[str, Any] | None:
+    """The live `run` beside serve `serve_pid` (the newest, if several), else None; files of gone ones deleted."""
+    found = _live_docs(f"{BESIDE}{serve_pid}-*.json", folder)
+    return found[-1] if found else None
+
+
+# ---- a controller that `run --config FILE` started (its config names no metrics port) ---------------------------
+
+def config_run_path(pid: int, folder: Path | None = None) -> Path:
+    return (folder or run_dir()) / f"{CONFIG_RUN}{pid}.json"
+
+
+def write_config_run(config: Path, state: dict[str, Any], folder: Path | None = None) -> Path:
+    """`run --config FILE`'s file (the config's full path, `controller_port`): how `status --config FILE` finds the
+    controller when the config names no port."""
+    pid = os.getpid()
+    return _write_json(config_run_path(pid, folder), {"pid": pid, "process_start": _process_start(pid),
+                                                       "config": str(Path(config).resolve()), **state})
+
+
+def controller_for_config(config: Path, folder: Path | None = None) -> dict[str, Any] | None:
+    """The live `run` started with this config file (the newest, if several), else None."""
+    want = str(Path(config).resolve())
+    found = [d for d in _live_docs(f"{CONFIG_RUN}*.json", folder) if d.get("config") == want]
+    return found[-1] if found else None
+
 
 
 def remove(pid: int | None = None, folder: Path | None = None) -> None:

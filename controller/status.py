@@ -91,9 +91,13 @@ def target_from_state(state: runstate.ServeState) -> Target:
 
 
 def target_from_config(cfg: ControllerConfig, path: str | None) -> Target:
-    port = cfg.loop.metrics_port or None
-    return Target(cfg.server, cfg.server.auth_headers(), port, cfg.loop.decision_log, tuple(cfg.models),
-                  config_path=path, no_controller_why="" if port else "the config sets no controller.metrics_port")
+    port, decision_log = cfg.loop.metrics_port or None, cfg.loop.decision_log
+    run = runstate.controller_for_config(Path(path)) if port is None and path else None
+    if run is not None:        # `run --config` with this file, on the port it took (runstate.py)
+        port, decision_log = run.get("controller_port"), run.get("decision_log") or decision_log
+    return Target(cfg.server, cfg.server.auth_headers(), port, decision_log, tuple(cfg.models),
+                  config_path=path, no_controller_why="" if port else "the config sets no controller.metrics_port "
+                  "and no `run` with it runs here")
 
 
 # ---- gathering ----------------------------------------------------------------------------------

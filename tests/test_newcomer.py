@@ -124,7 +124,7 @@ def test_status_with_no_flags_finds_the_controller_that_run_started_beside_a_ser
     serve = runstate.choose(None)
     alone = target_from_state(serve)
     assert alone.controller_port is None and alone.no_controller_why == "serve runs with --no-controller"
-    runstate.write_beside(serve.pid, {"started": time.time(), "controller_port": 40123, "decision_log": None})
+    mine = runstate.write_beside(serve.pid, {"started": time.time(), "controller_port": 40123, "decision_log": None})
     found = target_from_state(runstate.choose(None))
     assert (found.controller_port, found.no_controller_why, found.decision_log) == \
         (40123, "", "/serve/decisions.jsonl")
@@ -132,7 +132,7 @@ def test_status_with_no_flags_finds_the_controller_that_run_started_beside_a_ser
     gone = runstate.beside_path(serve.pid, _dead_pid())
     gone.write_text(json.dumps({"pid": int(gone.stem.rsplit("-", 1)[1]), "controller_port": 1, "started": 2e9}))
     assert runstate.controller_beside(serve.pid)["controller_port"] == 40123 and not gone.exists()
-    runstate.remove_beside(serve.pid)
+    mine.unlink()                                       # what run does when it stops
     assert runstate.controller_beside(serve.pid) is None and target_from_state(serve).controller_port is None
 
 

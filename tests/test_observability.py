@@ -41,7 +41,7 @@ def test_status_without_a_controller_prints_live_configs_and_recent_decisions(se
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[1] == ("controller not reachable; showing the server's live configs only "
-                        "(the config sets no controller.metrics_port)")
+                        "(the config sets no controller.metrics_port and no `run` with it runs here)")
     assert "resnet_tiny  READY  1 instance, delay 0 us" in lines
     assert "sim_accel  READY  1 instance, delay 0 us" in lines
     shown = [ln for ln in lines if "Reason" in ln and ln.split()[0] == "recent"]
