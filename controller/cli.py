@@ -393,7 +393,7 @@ def cmd_serve(args) -> int:
                 # why: a newcomer's first question is "what did it do?"; the log outlives the serve
                 cfg = dataclasses.replace(cfg, loop=dataclasses.replace(
                     cfg.loop, decision_log=str(runstate.serve_dir(os.getpid(), folder) / "decisions.jsonl")))
-            controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0, mark=bool(cfg.loop.metrics_port))
+            controller, endpoint = _start_controller(cfg, cfg.loop.metrics_port or 0)
             premarked = controller.first_load_configs(server.options.repository, served)
         server.start(premarked)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: HTTP {server.http_url}, gRPC {server.grpc_url}, "

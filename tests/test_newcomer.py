@@ -387,6 +387,8 @@ def test_the_newcomer_walk_serve_status_traffic_status_stop(tmp_path, capsys):
         assert seen["state"] == "READY" and doc["models"]["resnet_tiny"]["state"] == "READY"
         assert seen["obs"]["p99_source"] in ("trace", "summary", "mean_x_tail_ratio", "interval_mean_max")
         assert seen["reason"] and seen["held_for_s"] is not None and doc["controller"]["ticks"] > 0
+        # serve's controller marks the models it owns with its /status (a run on a port it picked does not)
+        assert (doc["controller"]["status_url"] or "").startswith("http://127.0.0.1:"), doc["controller"]
         assert doc["source"] == {"kind": "serve", "pid": proc.pid, "started": doc["source"]["started"],
                                  "run_state": str(state_file), "phase": "running", "server_restarts": []}
         r = _cli(env, "status")
