@@ -115,11 +115,16 @@ def _write_json(path: Path, doc: dict[str, Any]) -> Path:
     return path
 
 
+def _stamped(pid: int, doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with the pid and start time that name its process (pid_alive checks both)."""
+    return {"pid": pid, "process_start": _process_start(pid), **doc}
+
+
 def write(state: dict[str, Any], folder: Path | None = None) -> Path:
     """Write this process's run-state file atomically, mode 0600; returns its path."""
     folder = folder or run_dir()
     pid = int(state.get("pid") or os.getpid())
-    return _write_json(state_path(pid, folder), {"pid": pid, "process_start": _process_start(pid), **state})
+    return _write_json(state_path(pid, folder), _stamped(pid, state))
 
 
 # ---- a controller that `run` started beside a `serve --no-controller` -----------------------------------------
@@ -132,31 +137,33 @@ def write_beside(serve_pid: int, state: dict[str, Any], folder: Path | None = No
     """`run`'s file beside the serve it runs a controller for (`controller_port`, `decision_log`): how `status`
     with no flags finds that controller. Not a serve's file (`live_serves` does not list it)."""
     pid = os.getpid()
-    return _write_json(beside_path(serve_pid, pid, folder), {"pid": pid, "process_start": _process_start(pid),
-                                                              "serve_pid": serve_pid, **state})
+    return _write_json(beside_path(serve_pid, pid, folder), _stamped(pid, {"serve_pid": serve_pid, **state}))
 
 
-def _live_docs(pattern: str, folder: Path | None = None) -> list[dict[str, Any]]:
-    """The files matching `pattern` whose process runs, oldest first; files of gone ones deleted."""
+def _live_files(pattern: str, folder: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """The run-state files matching `pattern` whose process runs, with their contents, oldest first; files of
+    processes that are gone are deleted."""
     folder = folder or run_dir(create=False)
+    if not folder.is_dir():
+        return []
     found = []
-    for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
+    for path in sorted(folder.glob(pattern)):
         try:
             doc = json.loads(path.read_text())
             pid = int(doc["pid"])
         except (OSError, ValueError, KeyError, TypeError):
-            continue
+            continue            # half-written by someone else, or not ours: leave it alone
         if not pid_alive(pid, doc.get("process_start")):
             path.unlink(missing_ok=True)
             continue
-        found.append(doc)
-    return sorted(found, key=lambda d: d.get("started", 0))
+        found.append((path, doc))
+    return sorted(found, key=lambda f: (f[1].get("started", 0), int(f[1]["pid"])))
 
 
 def controller_beside(serve_pid: int, folder: Path | None = None) -> dict[str, Any] | None:
     """The live `run` beside serve `serve_pid` (the newest, if several), else None; files of gone ones deleted."""
-    found = _live_docs(f"{BESIDE}{serve_pid}-*.json", folder)
-    return found[-1] if found else None
+    found = _live_files(f"{BESIDE}{serve_pid}-*.json", folder)
+    return found[-1][1] if found else None
 
 
 # ---- a controller that `run --config FILE` started (its config names no metrics port) ---------------------------
@@ -169,16 +176,14 @@ def write_config_run(config: Path, state: dict[str, Any], folder: Path | None = 
     """`run --config FILE`'s file (the config's full path, `controller_port`): how `status --config FILE` finds the
     controller when the config names no port."""
     pid = os.getpid()
-    return _write_json(config_run_path(pid, folder), {"pid": pid, "process_start": _process_start(pid),
-                                                       "config": str(Path(config).resolve()), **state})
+    return _write_json(config_run_path(pid, folder), _stamped(pid, {"config": str(Path(config).resolve()), **state}))
 
 
 def controller_for_config(config: Path, folder: Path | None = None) -> dict[str, Any] | None:
     """The live `run` started with this config file (the newest, if several), else None."""
     want = str(Path(config).resolve())
-    found = [d for d in _live_docs(f"{CONFIG_RUN}*.json", folder) if d.get("config") == want]
+    found = [d for _, d in _live_files(f"{CONFIG_RUN}*.json", folder) if d.get("config") == want]
     return found[-1] if found else None
-
 
 
 def remove(pid: int | None = None, folder: Path | None = None) -> None:
@@ -210,21 +215,7 @@ class ServeState:
 
 def live_serves(folder: Path | None = None) -> list[ServeState]:
     """Every running serve's state, oldest first; files of processes that are gone are deleted."""
-    folder = folder or run_dir(create=False)
-    if not folder.is_dir():
-        return []
-    found = []
-    for path in sorted(folder.glob(f"{PREFIX}*.json")):
-        try:
-            doc = json.loads(path.read_text())
-            pid = int(doc["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue            # half-written by someone else, or not ours: leave it alone
-        if not pid_alive(pid, doc.get("process_start")):
-            path.unlink(missing_ok=True)
-            continue
-        found.append(ServeState(path, doc))
-    return sorted(found, key=lambda s: (s.get("started", 0), s.pid))
+    return [ServeState(path, doc) for path, doc in _live_files(f"{PREFIX}*.json", folder)]
 
 
 def choose(pid: int | None = None, folder: Path | None = None) -> ServeState:
