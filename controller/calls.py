@@ -160,7 +160,7 @@ def named_in_source(model_dir: Path, names: Iterable[str],
 class CallGraph:
     def __init__(self, keep: int = KEEP):
         self.keep = keep
-        self._declared: dict[tuple[str, str], str] = {}    # (caller, callee) -> where it was read ("model.py")
+        self._declared: set[tuple[str, str]] = set()       # (caller, callee) named in the caller's source
         self._model_of: OrderedDict[int, str] = OrderedDict()                  # trace id -> its model
         self._waiting: OrderedDict[int, list[TraceSample]] = OrderedDict()     # parent id -> children seen so far
         # parent id -> callee -> (its calls' intervals, the union counted so far)
@@ -209,13 +209,12 @@ class CallGraph:
         edge.span_ms += union - counted
         per_callee[child.model] = (intervals, union)
 
-    def declare(self, caller: str, callees: Iterable[str], where: str = "model.py") -> None:
+    def declare(self, caller: str, callees: Iterable[str]) -> None:
         """`caller` calls `callees`, as read in its source (`named_in_source`; replaces what was declared for it)."""
-        self._declared = {k: v for k, v in self._declared.items() if k[0] != caller}
-        self._declared.update({(caller, c): where for c in callees if c != caller})
+        self._declared = {k for k in self._declared if k[0] != caller} | {(caller, c) for c in callees if c != caller}
 
     def _all(self) -> set[tuple[str, str]]:
-        return set(self._edges) | set(self._declared)
+        return set(self._edges) | self._declared
 
     def callees(self, model: str) -> tuple[str, ...]:
         """The models `model` calls (seen in its traces, or named in its source), by name."""
@@ -232,9 +231,9 @@ class CallGraph:
         e = self._edges.get((caller, callee))
         return e is not None and e.requests > 0
 
-    def declared_in(self, caller: str, callee: str) -> str | None:
-        """Where the caller's source names the callee ("model.py"), else None."""
-        return self._declared.get((caller, callee))
+    def declared(self, caller: str, callee: str) -> bool:
+        """True where the caller's source names the callee (`declare`)."""
+        return (caller, callee) in self._declared
 
     def calls_per_request(self, caller: str, callee: str) -> float:
         """Mean calls of `callee` per traced request of `caller` that made one; 1.0 for an edge named only in the
@@ -257,4 +256,4 @@ class CallGraph:
     def forget(self, model: str) -> None:
         """A model unloaded: its edges go (they are learned again if it returns and calls)."""
         self._edges = {k: v for k, v in self._edges.items() if model not in k}
-        self._declared = {k: v for k, v in self._declared.items() if model not in k}
+        self._declared = {k for k in self._declared if model not in k}
