@@ -20,6 +20,8 @@
 #                  each instance's first execution, 50 ms on its first of each batch size; not in the default set)
 #   two_peaks      a day with two peaks (a sudden step, a lull, a ramp) on a wide-device model (~9 ms a request, 3
 #                  device slots: scripts/scenarios/repos/wide), SLA 25 ms, 4 instances at most (not in the default set)
+#   lunch          a working day with a lunch spike on a per-item-heavy model (~9.5 ms a request, 2 device slots:
+#                  scripts/scenarios/repos/per_item), SLA 40 ms, 4 instances at most (not in the default set)
 # SCENARIOS="shift bursty" runs a subset; MODEL_ANALYZER=FILE overrides docs/bench/model_analyzer_shift.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +62,8 @@ for s in $SCENARIOS; do
         timer_bursts)  run timer_bursts 40 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
         cold_start)    TRAFFIC=shift run cold_start 40 scripts/scenarios/repos/cold_start sim_cold 1,2,4,6 0,2000 8 ;;
         two_peaks)     run two_peaks 25 scripts/scenarios/repos/wide sim_wide 1,2,3,4 0,2000 4 ;;
-        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts cold_start two_peaks)" >&2; exit 2 ;;
+        lunch)         run lunch 40 scripts/scenarios/repos/per_item sim_item 1,2,3,4 0,4000 4 ;;
+        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts cold_start two_peaks lunch)" >&2; exit 2 ;;
     esac
 done
 summaries=()

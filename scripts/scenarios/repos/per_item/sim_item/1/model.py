@@ -1,0 +1,1 @@
+../../../../../../model_repository/sim_accel/1/model.py
