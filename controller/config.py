@@ -59,8 +59,9 @@ class ModelLimits:
     memory_headroom_pct: float = 10.0   # of the device's total memory, kept free
     min_gain_pct: float = 10.0          # an added instance must raise throughput this much
     priority: int = 0                   # higher wins when one budget cannot meet every target
-    sequence_scale_down: bool = False   # a stateful model (sequence batcher): may instances be removed? Triton 2.51
-                                        # ends the live sequences a removed instance holds (see modelkind.py)
+    sequence_scale_down: bool = False   # a stateful model (sequence batcher): may instances be removed while it has
+                                        # requests? Triton 2.51 ends the live sequences a removed instance holds (see
+                                        # modelkind.py); once it has had none past its idle timeout they may be anyway
 
 
 @dataclass(frozen=True)

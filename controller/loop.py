@@ -55,6 +55,7 @@ log = logging.getLogger("controller.loop")
 CAPACITY_STALE_WINDOWS = 3      # a capacity figure outlives missing data (a reload) this many windows
 DISCOVER_EVERY_S = 10.0         # without a models: section, the server's READY models are listed again this often
 PREDICTED_EVERY_S = 30.0        # the planner's predicted capacities (for status) are recomputed this often
+SEQUENCE_QUIET_MARGIN_S = 10.0  # a sequence batcher quiet this much past its idle timeout holds no live sequence
 
 
 @dataclass
@@ -97,6 +98,8 @@ class ManagedModel:
     per_device: dict[str, int] = field(default_factory=dict)   # live instances per device (groups.py)
     target_from: "ensemble.StepTarget | None" = None    # set while an ensemble's target is passed to it
     sequences_kept: bool = False                         # a sequence batcher's floor follows its live count
+    requests_seen: float | None = None                   # its requests (success + failure) at the last scrape ...
+    last_request_t: float | None = None                  # ... and when that count last moved (or one was pending)
     live_config: dict | None = None                      # the config last read from the server (a restart loads it)
 
     @property
@@ -354,7 +357,7 @@ class Controller:
             return False
         live = settings_of(cfg)
         mm.live_config = cfg
-        self._adopt_kind(mm, cfg)
+        self._adopt_kind(mm, cfg, now)
         mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
         mm.sim_slots = _int_parameter(cfg, "device_parallelism")   # a simulated device's slots (sim_accel)
         mm.mark = mark_of(cfg)
@@ -395,7 +398,7 @@ class Controller:
             return None
         return f"{state}: {entry['reason']}" if entry.get("reason") else state
 
-    def _adopt_kind(self, mm: ManagedModel, cfg: dict) -> None:
+    def _adopt_kind(self, mm: ManagedModel, cfg: dict, now: float) -> None:
         """What the model is and which knobs apply (modelkind.py), logged once and again if it changes."""
         kind = modelkind.classify(cfg)
         if kind != mm.kind:
@@ -404,7 +407,7 @@ class Controller:
         if not kind.delay and mm.limits.max_delay_us:
             mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
         mm.per_device = groups.instances_per_device(cfg)
-        self._keep_sequences(mm, kind, cfg)
+        self._keep_sequences(mm, kind, cfg, now)
         floor = groups.min_total(cfg)
         if kind.instances and mm.limits.min_instances < floor:
             # why: the controller keeps one instance on each device the user's instance groups name
@@ -412,18 +415,36 @@ class Controller:
                      ", ".join(mm.per_device), floor)
             mm.limits = dataclasses.replace(mm.limits, min_instances=floor, max_instances=max(mm.limits.max_instances, floor))
 
-    def _keep_sequences(self, mm: ManagedModel, kind: "modelkind.ModelKind", cfg: dict) -> None:
+    def _keep_sequences(self, mm: ManagedModel, kind: "modelkind.ModelKind", cfg: dict, now: float) -> None:
         """A stateful model (sequence batcher): its floor is its live count, so that no path (the policy, the
         planner, the arbiter's moves) removes an instance, which would end the live sequences it holds; unless
-        the model's `sequence_scale_down: true` (modelkind.py has the measurements)."""
-        if not (kind.sequence_batching and kind.instances) or self.config.limits_for(mm.name).sequence_scale_down:
+        the model's `sequence_scale_down: true` (modelkind.py has the measurements). Except once it has had no
+        request for its sequence idle timeout and SEQUENCE_QUIET_MARGIN_S more: Triton has then ended every
+        sequence itself, none is live, and the floor is the configured one again until the next request (a
+        sequence that starts while a scale-down is being applied could still land on a removed instance)."""
+        if not (kind.sequence_batching and kind.instances):
+            return
+        own = self.config.limits_for(mm.name)
+        if own.sequence_scale_down:
             return
         live = settings_of(cfg).instance_count
         if not mm.sequences_kept:
             mm.sequences_kept = True
-            log.info("%s: a sequence batcher (stateful): instances are only added, never removed, since a removed "
-                     "instance ends the live sequences it holds (and a full reload ends all); set "
-                     "sequence_scale_down: true under the model to allow it", mm.name)
+            log.info("%s: a sequence batcher (stateful): instances are only added while it has requests, since a "
+                     "removed instance ends the live sequences it holds (and a full reload ends all); removed again "
+                     "once it has had none for its sequence idle timeout (%.1f s) and %.0f s more; set "
+                     "sequence_scale_down: true under the model to allow it always", mm.name,
+                     modelkind.sequence_idle_s(cfg), SEQUENCE_QUIET_MARGIN_S)
+        quiet = None if mm.last_request_t is None else now - mm.last_request_t
+        idle_s = modelkind.sequence_idle_s(cfg)
+        if quiet is not None and quiet >= idle_s + SEQUENCE_QUIET_MARGIN_S:
+            base = max(own.min_instances, groups.min_total(cfg))     # the floor it would have without sequences
+            if mm.limits.min_instances > base:
+                log.info("%s: no request for %.0f s (its sequences end after %.1f s idle): no sequence is live, so "
+                         "its instances may be removed again (floor %d -> %d)", mm.name, quiet, idle_s,
+                         mm.limits.min_instances, base)
+                mm.limits = dataclasses.replace(mm.limits, min_instances=base)
+            return
         if live > mm.limits.min_instances:
             mm.limits = dataclasses.replace(mm.limits, min_instances=live,
                                             max_instances=max(mm.limits.max_instances, live))
@@ -603,6 +624,7 @@ class Controller:
                       stats: dict[str, StatsCounters] | None, devices, now: float) -> tuple[Decision, Observation] | None:
         """Observe and decide for one model; None when its live config cannot be read (logged)."""
         counters = None if scraped is None else scraped.get(mm.name)
+        _note_requests(mm, counters, now)
         if mm.pending is not None:
             # why: the live config is in flux until the worker reports; observe, but neither adopt nor decide
             mm.observer.add_scrape(now, counters, None, None)
@@ -1139,6 +1161,17 @@ def owner_status(mm: ManagedModel, me: OwnerMark) -> dict | None:
     v = mm.owner
     return {"owner": mm.mark.owner, "status_url": mm.mark.status_url, "mine": mm.mark.owner == me.owner,
             "state": None if v is None else v.state, "detail": (v.detail or None) if v is not None else None}
+
+
+def _note_requests(mm: ManagedModel, counters: ModelCounters | None, now: float) -> None:
+    """When `mm` last had a request: the scrape at which its request count moved or one was pending (the first
+    scrape counts as one, as a request may just have ended). A missing scrape says nothing."""
+    if counters is None:
+        return
+    seen = (counters.success or 0.0) + (counters.failure or 0.0)
+    if mm.requests_seen is None or seen != mm.requests_seen or (counters.pending or 0.0) > 0:
+        mm.last_request_t = now
+    mm.requests_seen = seen
 
 
 def _parameter_values(cfg: dict | None) -> tuple[str, ...]:

@@ -15,8 +15,11 @@
 * **no batching** (`max_batch_size: 0`): instances only; the delay knob does not exist.
 * **batching without `dynamic_batching`** (e.g. `sequence_batching`): instances only; the controller does
   not add a dynamic batcher the user did not write.
-* **a sequence batcher** (stateful: `sequence_batching`): instances are **only added** unless the model's
-  `sequence_scale_down: true`, and it is never claimed with a full reload (loop._claim_now). Measured on 2.51
+* **a sequence batcher** (stateful: `sequence_batching`): instances are **only added** while it has requests,
+  unless the model's `sequence_scale_down: true`, and it is never claimed with a full reload (loop._claim_now).
+  Once no request has come for longer than its `max_sequence_idle_microseconds` (Triton's own idle timeout, 1 s
+  by default; `sequence_idle_s`) and a margin, Triton has ended every sequence itself, so none is live and
+  instances may be removed again (loop._keep_sequences). Measured on 2.51
   (an accumulator per sequence held in the instance, 6-8 live sequences, each request checked): a full reload
   ended all 6 live sequences (their next request: "must specify the START flag on the first request of the
   sequence"); of 11 in-place scale-downs (3 -> 1, 2 -> 1) one ended 2 of its 6 checked (the others kept every
@@ -103,8 +106,8 @@ class ModelKind:
         if self.max_batch_size <= 0:
             return "instances only: no batching (max_batch_size 0), so no batching delay"
         if self.sequence_batching:
-            return ("instances only, added but not removed (unless sequence_scale_down: true): a sequence batcher "
-                    "(stateful), not a dynamic one")
+            return ("instances only, added but not removed while it has requests (unless sequence_scale_down: "
+                    "true): a sequence batcher (stateful), not a dynamic one")
         return "instances only: no dynamic_batching section (the controller does not add one)"
 
     def describe(self) -> str:
@@ -127,6 +130,21 @@ def classify(config: dict) -> ModelKind:
         dynamic_batching="dynamic_batching" in config or "dynamicBatching" in config,
         sequence_batching=bool(config.get("sequence_batching") or config.get("sequenceBatching")),
     )
+
+
+DEFAULT_SEQUENCE_IDLE_S = 1.0     # Triton's max_sequence_idle_microseconds when the config leaves it 0 or out
+
+
+def sequence_idle_s(config: dict) -> float:
+    """A sequence batcher's idle timeout in seconds: Triton ends a sequence that has had no request for this
+    long (`max_sequence_idle_microseconds`, either JSON spelling, a number or a string; 1 s when 0 or absent)."""
+    seq = config.get("sequence_batching") or config.get("sequenceBatching") or {}
+    raw = seq.get("max_sequence_idle_microseconds", seq.get("maxSequenceIdleMicroseconds")) if isinstance(seq, dict) else None
+    try:
+        us = float(raw or 0)
+    except (TypeError, ValueError):
+        us = 0.0
+    return us / 1e6 if us > 0 else DEFAULT_SEQUENCE_IDLE_S
 
 
 def _true(value) -> bool:

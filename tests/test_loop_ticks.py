@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller import loop as loop_mod
 from controller.loop import Controller
 from controller.observer import TraceFeed
 from controller.signals import ModelCounters
@@ -448,6 +449,19 @@ def test_a_stateful_model_only_gains_instances_unless_its_scale_down_is_allowed(
     ticks(30)
     assert mm.current.instance_count == grown and mm.limits.min_instances == grown
     assert [st.instance_count for _, st in control.loads] == sorted(st.instance_count for _, st in control.loads)
+    # no request at all: past its 5-s sequence idle timeout and the margin Triton has ended every sequence, so the
+    # floor is the configured one again and the instances go; not before
+    scraper.models["m"].rps = 0.0
+    quiet_from, loads_before = clock.t, len(control.loads)
+    while len(control.loads) == loads_before and clock.t - quiet_from < 60:
+        ticks(1)
+    assert clock.t - quiet_from >= 5 + loop_mod.SEQUENCE_QUIET_MARGIN_S, (clock.t - quiet_from, control.loads)
+    ticks(40)
+    assert mm.limits.min_instances == HOT.min_instances and mm.current.instance_count < grown, control.loads
+    assert any("no sequence is live" in r.getMessage() for r in caplog.records)
+    scraper.models["m"].rps = 20.0                           # requests again: the live count is the floor again
+    ticks(3)
+    assert mm.limits.min_instances == mm.current.instance_count
     ctl.close()
 
 

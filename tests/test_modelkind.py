@@ -5,6 +5,7 @@ import logging
 
 from controller.config import ControllerConfig, ModelLimits, ServerConfig
 from controller.loop import Controller
+from controller import modelkind
 from controller.modelkind import classify
 from controller.observer import TraceFeed
 from controller.types import Settings
@@ -157,3 +158,12 @@ def test_status_shows_what_the_model_is_its_devices_and_a_passed_target():
     text = "\n".join(format_model("sim2", m))
     assert "model" in text and "knobs: instances and batching delay" in text
     assert "gpu0 2, gpu1 1" in text and "ens p99 target 25 ms" in text
+
+
+def test_sequence_idle_timeout_read_in_either_spelling_with_triton_default():
+    assert modelkind.sequence_idle_s({"sequence_batching": {"max_sequence_idle_microseconds": "5000000"}}) == 5.0
+    assert modelkind.sequence_idle_s({"sequenceBatching": {"maxSequenceIdleMicroseconds": 250000}}) == 0.25
+    assert modelkind.sequence_idle_s({"sequence_batching": {}}) == 1.0            # Triton's default
+    assert modelkind.sequence_idle_s({"sequence_batching": {"max_sequence_idle_microseconds": 0}}) == 1.0
+    assert modelkind.sequence_idle_s({"sequence_batching": {"max_sequence_idle_microseconds": "x"}}) == 1.0
+    assert modelkind.sequence_idle_s({}) == 1.0

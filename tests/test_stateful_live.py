@@ -13,6 +13,7 @@ import tritonclient.grpc as grpcclient
 
 from conftest import start_server
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
+from controller import loop as loop_mod
 from controller.loop import Controller
 from controller.ownership import mark_of
 
@@ -81,10 +82,12 @@ def _sequences(url: str, worker: int, stop: threading.Event, errors: list, done:
     client.close()
 
 
-def test_a_stateful_model_keeps_its_instances_and_its_live_sequences(tmp_path):
+def _seq_server(tmp_path, config: str = CONFIG):
+    """`seq` on a real server, and a controller's config for it: light load on 2 instances and a 2-s scale-down
+    delay, where a model without a sequence batcher loses one. Returns (server, config, decision log path)."""
     repo = tmp_path / "repo"
     (repo / "seq" / "1").mkdir(parents=True)
-    (repo / "seq" / "config.pbtxt").write_text(CONFIG)
+    (repo / "seq" / "config.pbtxt").write_text(config)
     (repo / "seq" / "1" / "model.py").write_text(MODEL)
     server = start_server(["seq"], repository=repo)
     log_path = tmp_path / "decisions.jsonl"
@@ -92,8 +95,12 @@ def test_a_stateful_model_keeps_its_instances_and_its_live_sequences(tmp_path):
         server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
         loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=0.5, min_span_s=2.0, decision_log=str(log_path),
                         gpu="none"),
-        # light load on 2 instances, a 2-s scale-down delay: a model without a sequence batcher loses one here
         models={"seq": ModelLimits(p99_target_ms=200.0, max_instances=3, scale_down_delay_s=2.0, max_delay_us=0)})
+    return server, cfg, log_path
+
+
+def test_a_stateful_model_keeps_its_instances_and_its_live_sequences(tmp_path):
+    server, cfg, log_path = _seq_server(tmp_path)
     controller = Controller(cfg)
     controller.set_status_url("http://127.0.0.1:1/status")   # a controller that marks (claims) what it manages
     stop, errors, done = threading.Event(), [], []
@@ -117,3 +124,51 @@ def test_a_stateful_model_keeps_its_instances_and_its_live_sequences(tmp_path):
     assert int(live["instance_group"][0]["count"]) == 2 and mark_of(live) is None, live
     assert not [r for r in records if r["action"] in ("started", "claiming")], records[-5:]
     assert {r["reason"] for r in records} - {"HoldNoData", "HoldWarmup"}, records[-5:]     # it did decide
+
+
+def test_a_quiet_stateful_model_gives_its_instances_back_and_keeps_later_sequences(tmp_path, monkeypatch):
+    """Once no request has come for the sequence idle timeout (1 s here) and the margin, Triton has ended every
+    sequence: the floor is the configured one again and the consolidation removes the extra instance; sequences
+    that start afterwards keep their state, and the floor follows the live count again."""
+    monkeypatch.setattr(loop_mod, "SEQUENCE_QUIET_MARGIN_S", 3.0)
+    server, cfg, log_path = _seq_server(tmp_path, CONFIG.replace("5000000", "1000000"))
+    controller = Controller(cfg)
+    errors, done = [], []
+    stop = threading.Event()
+    runner = threading.Thread(target=controller.run, args=(stop,))
+
+    def traffic(seconds: float) -> None:
+        halt = threading.Event()
+        workers = [threading.Thread(target=_sequences, args=(server.grpc_url, w, halt, errors, done)) for w in range(4)]
+        for t in workers:
+            t.start()
+        time.sleep(seconds)
+        halt.set()
+        for t in workers:
+            t.join()
+
+    def count() -> int:
+        return int(controller.control.config("seq")["instance_group"][0]["count"])
+
+    try:
+        runner.start()
+        traffic(6.0)
+        kept_under_traffic = (count(), controller.models["seq"].limits.min_instances)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and count() > 1:
+            time.sleep(0.5)
+        after_quiet = count()
+        traffic(4.0)
+        floor_after = controller.models["seq"].limits.min_instances
+    finally:
+        stop.set()
+        runner.join()
+        controller.close()
+        server.stop()
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    downs = [r for r in records if r["action"] == "applied" and r["target"]["instances"] == 1]
+    assert errors == [], errors[:5]
+    assert kept_under_traffic == (2, 2)             # under traffic: the live count is the floor
+    assert after_quiet == 1 and len(downs) == 1, downs
+    assert len(done) > 150, len(done)               # the sequences after the scale-down all kept their sums
+    assert floor_after == 1                         # the floor follows the live count (1) again
