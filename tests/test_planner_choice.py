@@ -264,8 +264,8 @@ def test_change_reasons_use_the_reactive_rules_words():
 
 
 def test_delay_grid():
-    assert delay_grid(0, 10_000, 0) == [0, 500, 1000, 2000, 4000, 8000, 10_000]
-    assert delay_grid(0, 10_000, 3000) == [0, 500, 1000, 2000, 3000, 4000, 8000, 10_000]
+    assert delay_grid(0, 10_000, 0) == [0, 500, 2000, 8000, 10_000]
+    assert delay_grid(0, 10_000, 4000) == [0, 500, 2000, 4000, 8000, 10_000]
     assert delay_grid(0, 0, 0) == [0]
     assert delay_grid(1000, 3000, 1500) == [1000, 1500, 2000, 3000]
 
@@ -1047,8 +1047,7 @@ def test_a_scale_down_never_raises_the_delay(monkeypatch, one_at_0us, expected):
 
 
 @pytest.mark.parametrize("rate, target, ceiling, unlimited, reload_max", [
-    # (1,000 us since the grid has x2 steps: the shortest delay with the gain)
-    pytest.param(300.0, 20.0, 2, S(2, 1000), 1, id="best-effort-2x1000-needs-2-in-a-full-reload"),
+    pytest.param(300.0, 20.0, 2, S(2, 2000), 1, id="best-effort-2x2000-needs-2-in-a-full-reload"),
     pytest.param(380.0, 20.0, 3, S(3, 2000), 2, id="predicted-3x2000-needs-3"),
     pytest.param(380.0, 20.0, 3, S(3, 2000), 0, id="no-full-reload-fits"),
 ])
@@ -1070,6 +1069,6 @@ def test_the_policy_keeps_a_scale_up_in_place_when_its_delay_change_would_not_fi
     lim = dataclasses.replace(LIMITS, p99_target_ms=20.0, memory_budget_mb=192)
     free = dataclasses.replace(LIMITS, p99_target_ms=20.0, memory_budget_mb=None, max_instances=2)
     d_free, _ = decide(obs(300.0, gpus=gpus), S(1), st_, free)
-    assert d_free.target == S(2, 1000)                   # with room, the planner adds the delay too
+    assert d_free.target == S(2, 2000)                   # with room, the planner adds the delay too
     d, _ = decide(obs(300.0, gpus=gpus), S(1), st_, lim)
     assert d.mode == "model" and d.target == S(2, 0)     # within the budget: the instance, in place
