@@ -1151,6 +1151,7 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
         "target_ensemble": None if mm.target_from is None else mm.target_from.ensemble,
         "ensemble_steps": list(mm.kind.steps) if mm.kind is not None and mm.kind.ensemble else None,
         "per_device": dict(mm.per_device) if len(mm.per_device) > 1 else None,
+        "stateful": bool(mm.kind is not None and mm.kind.sequence_batching) or None,   # `load` cannot drive it
     }
 
 

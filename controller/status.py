@@ -655,7 +655,12 @@ def _no_traffic_hint(doc: dict) -> str | None:
                  for _, m in managed)
     span = max(((m.get("obs") or {}).get("span_s") or 0 for _, m in managed), default=0)
     when = f"no requests in the last {span:.0f} s" if served and span else "no requests yet"
-    return (f"{when}: `python -m controller load --model {ready[0]} --rate 50` sends some, open loop, "
+    # why: `load` refuses a stateful model (its requests need sequence ids and start/end flags): not the hint there
+    loadable = [n for n in ready if not (doc.get("models") or {})[n].get("stateful")]
+    if not loadable:
+        return (f"{when}: {ready[0]} is stateful (a sequence batcher), which `python -m controller load` cannot "
+                "drive (its requests need sequence ids and start/end flags): send it your own sequences")
+    return (f"{when}: `python -m controller load --model {loadable[0]} --rate 50` sends some, open loop, "
             "a line every 5 s (README, \"Then: send it traffic\")")
 
 

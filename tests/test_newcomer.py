@@ -461,6 +461,13 @@ def test_under_serve_with_no_traffic_status_says_how_to_send_some():
                           "sends some, open loop, a line every 5 s (README, \"Then: send it traffic\")"), after
     changed = format_text(dict(doc, models={"resnet_tiny": dict(idle), "sim_accel": dict(idle, last_change={"t": 1})}))
     assert "no requests in the last 18 s" in changed and "no requests yet" not in changed
+    # `load` refuses a stateful model (sequence ids, start/end flags): the hint names one it can drive, or says so
+    seq = dict(doc, models={"a_seq": dict(idle, stateful=True), "sim_accel": dict(idle)})
+    assert "load --model sim_accel --rate 50" in format_text(seq)
+    only_seq = format_text(dict(doc, models={"a_seq": dict(idle, stateful=True)}))
+    assert only_seq.endswith("no requests yet: a_seq is stateful (a sequence batcher), which `python -m controller "
+                             "load` cannot drive (its requests need sequence ids and start/end flags): send it your "
+                             "own sequences"), only_seq
 
 
 def test_a_model_of_several_versions_is_ready_where_one_is_and_status_names_each():
