@@ -428,15 +428,15 @@ class Controller:
         if own.sequence_scale_down:
             return
         live = settings_of(cfg).instance_count
+        idle_s = modelkind.sequence_idle_s(cfg)
         if not mm.sequences_kept:
             mm.sequences_kept = True
             log.info("%s: a sequence batcher (stateful): instances are only added while it has requests, since a "
                      "removed instance ends the live sequences it holds (and a full reload ends all); removed again "
                      "once it has had none for its sequence idle timeout (%.1f s) and %.0f s more; set "
-                     "sequence_scale_down: true under the model to allow it always", mm.name,
-                     modelkind.sequence_idle_s(cfg), SEQUENCE_QUIET_MARGIN_S)
+                     "sequence_scale_down: true under the model to allow it always", mm.name, idle_s,
+                     SEQUENCE_QUIET_MARGIN_S)
         quiet = None if mm.last_request_t is None else now - mm.last_request_t
-        idle_s = modelkind.sequence_idle_s(cfg)
         if quiet is not None and quiet >= idle_s + SEQUENCE_QUIET_MARGIN_S:
             base = max(own.min_instances, groups.min_total(cfg))     # the floor it would have without sequences
             if mm.limits.min_instances > base:

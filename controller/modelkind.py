@@ -139,7 +139,9 @@ def sequence_idle_s(config: dict) -> float:
     """A sequence batcher's idle timeout in seconds: Triton ends a sequence that has had no request for this
     long (`max_sequence_idle_microseconds`, either JSON spelling, a number or a string; 1 s when 0 or absent)."""
     seq = config.get("sequence_batching") or config.get("sequenceBatching") or {}
-    raw = seq.get("max_sequence_idle_microseconds", seq.get("maxSequenceIdleMicroseconds")) if isinstance(seq, dict) else None
+    if not isinstance(seq, dict):
+        return DEFAULT_SEQUENCE_IDLE_S
+    raw = seq.get("max_sequence_idle_microseconds", seq.get("maxSequenceIdleMicroseconds"))
     try:
         us = float(raw or 0)
     except (TypeError, ValueError):
