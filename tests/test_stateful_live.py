@@ -1,7 +1,8 @@
 """A stateful model (a sequence batcher) under the controller, against a real tritonserver: live sequences keep
 their state. Triton 2.51 ends the live sequences of an instance removed in place, and every live sequence on a full
-reload (modelkind.py has the measurements), so the controller never removes its instances and never claims it with
-a full reload (loop._keep_sequences); it may still add instances."""
+reload (modelkind.py has the measurements), so the controller removes none of its instances while it has requests
+and never claims it with a full reload (loop._keep_sequences); it may still add instances. Once it has had no request
+past its sequence idle timeout (Triton has then ended every sequence) its instances may go."""
 from __future__ import annotations
 
 import json
