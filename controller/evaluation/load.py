@@ -37,7 +37,8 @@ import numpy as np
 from . import loadgen
 from .inputs import InputSpec, InputSpecError, describe, variable_notes
 
-# why a cap: every request's record is kept for the summary (about 150 bytes each); 1 M is 83 min at 200 req/s
+# why a cap: every request's record is kept for the summary (~300 bytes each, measured as the process's peak RSS
+# over 4,526 and 22,559 requests: about 300 MB at the cap); 1 M is 83 min at 200 req/s
 MAX_REQUESTS = 1_000_000
 
 
