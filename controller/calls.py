@@ -38,8 +38,8 @@ files: one that builds an `InferenceRequest` and holds a string constant equal t
 the repository (`CALLEE = "plain"`, `model_name="plain"`, or a config parameter's value where the code reads the
 name from there) is taken to call it. `CallGraph.declare` records
 such an edge; until the traces show it, it counts as one call a request, one in sequence (the least a caller
-that calls can make), and `traced` says it was not measured. A name built at run time (read from the model's
-parameters, say) is not found; a constant naming a model the code never calls is taken as a call (it asks the
+that calls can make), and `traced` says it was not measured. A name built otherwise at run time (from an
+environment variable, say, or by joining strings) is not found; a constant naming a model the code never calls is taken as a call (it asks the
 named model for the caller's target: instances, never a missed target).
 """
 from __future__ import annotations

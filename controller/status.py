@@ -593,8 +593,9 @@ class UnknownModel(ValueError):
 
 
 def select_models(doc: dict, names: list[str]) -> dict:
-    """`doc` with only the models named (and, for an ensemble named, its steps' rows it draws on); a name the
-    snapshot does not hold raises UnknownModel naming those it does."""
+    """`doc` with only the models named, every model kept under `all_models` (a named ensemble's or caller's block
+    reads its steps' and callees' figures there); a name the snapshot does not hold raises UnknownModel naming those
+    it does."""
     models = doc.get("models") or {}
     unknown = [n for n in names if n not in models]
     if unknown:
