@@ -407,21 +407,23 @@ class Controller:
         if not kind.delay and mm.limits.max_delay_us:
             mm.limits = dataclasses.replace(mm.limits, min_delay_us=0, max_delay_us=0)   # the delay knob does not exist
         mm.per_device = groups.instances_per_device(cfg)
-        self._keep_sequences(mm, kind, cfg, now)
         floor = groups.min_total(cfg)
+        self._keep_sequences(mm, kind, cfg, now, floor)
         if kind.instances and mm.limits.min_instances < floor:
             # why: the controller keeps one instance on each device the user's instance groups name
             log.info("%s: instance groups on %d devices (%s): at least %d instances", mm.name, floor,
                      ", ".join(mm.per_device), floor)
             mm.limits = dataclasses.replace(mm.limits, min_instances=floor, max_instances=max(mm.limits.max_instances, floor))
 
-    def _keep_sequences(self, mm: ManagedModel, kind: "modelkind.ModelKind", cfg: dict, now: float) -> None:
+    def _keep_sequences(self, mm: ManagedModel, kind: "modelkind.ModelKind", cfg: dict, now: float,
+                        floor: int) -> None:
         """A stateful model (sequence batcher): its floor is its live count, so that no path (the policy, the
         planner, the arbiter's moves) removes an instance, which would end the live sequences it holds; unless
         the model's `sequence_scale_down: true` (modelkind.py has the measurements). Except once it has had no
         request for its sequence idle timeout and SEQUENCE_QUIET_MARGIN_S more: Triton has then ended every
         sequence itself, none is live, and the floor is the configured one again until the next request (a
-        sequence that starts while a scale-down is being applied could still land on a removed instance)."""
+        sequence that starts while a scale-down is being applied could still land on a removed instance).
+        `floor`: the least instances the user's groups place (groups.min_total), kept in any case."""
         if not (kind.sequence_batching and kind.instances):
             return
         own = self.config.limits_for(mm.name)
@@ -438,7 +440,7 @@ class Controller:
                      SEQUENCE_QUIET_MARGIN_S)
         quiet = None if mm.last_request_t is None else now - mm.last_request_t
         if quiet is not None and quiet >= idle_s + SEQUENCE_QUIET_MARGIN_S:
-            base = max(own.min_instances, groups.min_total(cfg))     # the floor it would have without sequences
+            base = max(own.min_instances, floor)      # the floor it would have without sequences
             if mm.limits.min_instances > base:
                 log.info("%s: no request for %.0f s (its sequences end after %.1f s idle): no sequence is live, so "
                          "its instances may be removed again (floor %d -> %d)", mm.name, quiet, idle_s,
