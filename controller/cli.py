@@ -174,8 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--timeout-s", type=_bounded(float, 0.1, 600.0), default=10.0,
                     help="a request not answered this long after its time counts as failed (default 10)")
     ld.add_argument("--seed", type=_bounded(int, 0, 2**31 - 1), default=0, help="Poisson schedule seed (default 0)")
-    ld.add_argument("--batch-size", type=_bounded(int, 1, 1_000_000), default=1, metavar="N",
-                    help="items per request, where the model batches (default 1)")
     ld.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
     for verb in (ld, sw, b, so):
         _add_input_args(verb)
@@ -211,13 +209,15 @@ def _add_input_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-data", type=Path, metavar="FILE",
                         help="the requests' contents, perf_analyzer's JSON format ({\"data\": [{INPUT: [values]}, "
                              "...]}), sent in turn (default: random values)")
+    parser.add_argument("--batch-size", type=_bounded(int, 1, 1_000_000), default=1, metavar="N",
+                        help="items per request, where the model batches (default 1)")
 
 
 def _input_spec(args):
     """The InputSpec of --shape/--input-data, or None where neither was given; UsageError for a bad one."""
     from .evaluation.inputs import InputSpecError, make_spec
     try:
-        return make_spec(args.shape, args.input_data)
+        return make_spec(args.shape, args.input_data, args.batch_size)
     except InputSpecError as e:
         raise UsageError(str(e)) from None
 
@@ -696,9 +696,9 @@ def cmd_bench(args) -> int:
         if is_multi_model_scenario(args.scenario):
             if args.model_analyzer is not None:
                 raise UsageError("--model-analyzer: only for a one-model scenario")
-            if args.shape or args.input_data is not None:
-                raise UsageError("--shape and --input-data: only for a one-model scenario (a two-model one sends "
-                                 "random inputs to each)")
+            if args.shape or args.input_data is not None or args.batch_size > 1:
+                raise UsageError("--shape, --input-data and --batch-size: only for a one-model scenario (a two-model "
+                                 "one sends random inputs of one item to each)")
             return run_bench_multi(args)      # two models sharing one device and memory budget
         return run_bench(args)
     except (BenchError, MultiBenchError) as e:

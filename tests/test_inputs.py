@@ -177,6 +177,18 @@ def test_make_spec_and_describe(tmp_path):
         make_spec([("TOKENS", (8,)), ("TOKENS", (9,))], None)
     with pytest.raises(InputSpecError, match="--input-data: .*no such file|--input-data: .*No such file"):
         make_spec([], tmp_path / "missing.json")
+    batched = make_spec([], None, 3)          # --batch-size alone is a spec: every verb sends and records it
+    assert batched is not None and describe(batched) == {"random": True, "batch_size": 3}
+    assert make_spec([], None, 1) is None
+
+
+def test_batch_size_stacks_items_and_is_refused_where_the_model_cannot_take_it():
+    sets = input_sets(TOKENS, InputSpec(shapes={"TOKENS": (5,), "MASK": (5,)}, batch_size=3))
+    assert [a.shape for a in sets[0].values()] == [(3, 5), (3, 5)]
+    with pytest.raises(InputSpecError, match="^--batch-size 5: model 'tokens' takes at most 4 items a request$"):
+        input_sets(TOKENS, InputSpec(batch_size=5))
+    with pytest.raises(InputSpecError, match="^--batch-size 2: model 'tokens' takes no batch dimension$"):
+        input_sets({**TOKENS, "max_batch_size": 0}, InputSpec(batch_size=2))
 
 
 # ----------------------------------------------------------------------------------------------- live
@@ -307,13 +319,13 @@ def test_sweep_sends_the_shape_given_and_records_it(tmp_path, capsys):
     out = tmp_path / "sweep"
     rc = main(["sweep", "--repository", str(repo), "--model", "tokens", "--instances", "1", "--delays-us", "0",
                "--rates", "20", "--seconds", "1", "--warmup-s", "0", "--shape", "TOKENS:32", "--shape", "MASK:32",
-               "--out", str(out)])
+               "--batch-size", "2", "--out", str(out)])
     assert rc == 0
     doc = json.loads((out / "sweep.json").read_text())
-    assert doc["inputs"] == {"random": True, "shapes": {"MASK": [32], "TOKENS": [32]}}
+    assert doc["inputs"] == {"random": True, "shapes": {"MASK": [32], "TOKENS": [32]}, "batch_size": 2}
     assert doc["cells"][0]["failed"] == 0
     rows = _seen(repo / "tokens" / "seen.jsonl")
-    assert rows and all(np.shape(row["tokens"]) == (1, 32) for row in rows)
+    assert rows and all(np.shape(row["tokens"]) == (2, 32) for row in rows)
     assert "note:" not in capsys.readouterr().err
 
 
@@ -360,3 +372,11 @@ def test_soak_takes_the_same_options_and_refuses_a_shape_its_model_does_not_take
     err = capsys.readouterr().err
     assert rc == 2 and "--shape: input 'INPUT' takes dims [16]; got [8]" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra", [["--batch-size", "2"], ["--shape", "INPUT:8"]])
+def test_a_two_model_bench_refuses_the_options_of_one_models_requests(tmp_path, capsys, extra):
+    rc = main(["bench", "--scenario", str(ROOT / "scripts" / "scenarios" / "two_models.yaml"), *extra,
+               "--out", str(tmp_path / "b")])
+    assert rc == 2
+    assert "--shape, --input-data and --batch-size: only for a one-model scenario" in capsys.readouterr().err

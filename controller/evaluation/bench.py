@@ -891,7 +891,7 @@ def run_bench(args) -> int:
         if p is not None and not Path(p).is_file():
             raise BenchError(f"{p}: no such file")
     try:
-        inputs = make_spec(getattr(args, "shape", ()), getattr(args, "input_data", None))
+        inputs = make_spec(getattr(args, "shape", ()), getattr(args, "input_data", None), getattr(args, "batch_size", 1))
     except InputSpecError as e:
         raise BenchError(str(e)) from None
     opts = BenchOptions(scenario=args.scenario, out=args.out, sweep=args.sweep, sla_ms=args.sla_ms, model=args.model,

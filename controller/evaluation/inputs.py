@@ -56,19 +56,24 @@ class InputSpecError(ValueError):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """The user's say on the inputs: `shapes` (input -> dims without the batch dim), `data` (the file's entries)."""
+    """The user's say on the inputs: `shapes` (input -> dims without the batch dim), `data` (the file's entries),
+    `batch_size` (items a request carries, --batch-size)."""
 
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     data: tuple[Mapping[str, Any], ...] | None = None
     source: str = "--input-data"          # names the file in messages
+    batch_size: int = 1
 
 
 def describe(spec: InputSpec | None) -> dict:
     """What a sweep.json (and load's --json) records of the requests' inputs, the bench comparing its own: {"random":
-    true} plus any --shape dims, and the data file and its entry count where one was given."""
+    true} plus any --shape dims, the data file and its entry count where one was given, and the items a request
+    carries where more than one."""
     if spec is None:
         return {"random": True}
     doc: dict = {"random": spec.data is None}
+    if spec.batch_size > 1:
+        doc["batch_size"] = spec.batch_size
     if spec.shapes:
         doc["shapes"] = {name: list(dims) for name, dims in sorted(spec.shapes.items())}
     if spec.data is not None:
@@ -90,8 +95,9 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
     return name, dims
 
 
-def make_spec(shapes: Sequence[tuple[str, tuple[int, ...]]], input_data: Path | None) -> InputSpec | None:
-    """The InputSpec of the --shape values and the --input-data file, or None where neither was given."""
+def make_spec(shapes: Sequence[tuple[str, tuple[int, ...]]], input_data: Path | None,
+              batch_size: int = 1) -> InputSpec | None:
+    """The InputSpec of the --shape values, the --input-data file and --batch-size, or None where none was given."""
     by_name: dict[str, tuple[int, ...]] = {}
     for name, dims in shapes:
         if by_name.get(name, dims) != dims:
@@ -104,9 +110,9 @@ def make_spec(shapes: Sequence[tuple[str, tuple[int, ...]]], input_data: Path | 
             data = read_input_data(input_data)
         except InputSpecError as e:
             raise InputSpecError(f"--input-data: {e}") from None
-    if not by_name and data is None:
+    if not by_name and data is None and batch_size <= 1:
         return None
-    return InputSpec(shapes=by_name, data=data, source=str(input_data or "--input-data"))
+    return InputSpec(shapes=by_name, data=data, source=str(input_data or "--input-data"), batch_size=max(1, batch_size))
 
 
 def read_input_data(path: Path) -> tuple[Mapping[str, Any], ...]:
@@ -242,14 +248,20 @@ def input_sets(config: Mapping[str, Any], spec: InputSpec | None = None, *, seed
                batch_size: int = 1) -> list[dict[str, np.ndarray]]:
     """The tensors of each distinct request, sent in turn: one random set, or one per data entry.
 
+    `batch_size` (items a request carries) is the spec's where this leaves it at 1.
     Raises InputSpecError (a one-line reason) where the spec does not fit the config.
     """
     spec = spec or InputSpec()
+    batch_size = batch_size if batch_size != 1 else spec.batch_size
     inputs = list(config.get("input", []))
     if not inputs:
         raise InputSpecError(f"model config for {config.get('name', '?')!r} lists no inputs")
     _check_names(config, spec)
-    batched = int(config.get("max_batch_size", 0) or 0) > 0
+    max_batch = int(config.get("max_batch_size", 0) or 0)
+    if batch_size > 1 and batch_size > max_batch:
+        raise InputSpecError(f"--batch-size {batch_size}: model {config.get('name', '?')!r} takes "
+                             + (f"at most {max_batch} items a request" if max_batch else "no batch dimension"))
+    batched = max_batch > 0
     if spec.data is None:
         rng = np.random.default_rng(seed)
         batch = (batch_size,) if batched else ()
