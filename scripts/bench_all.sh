@@ -22,6 +22,8 @@
 #                  device slots: scripts/scenarios/repos/wide), SLA 25 ms, 4 instances at most (not in the default set)
 #   lunch          a working day with a lunch spike on a per-item-heavy model (~9.5 ms a request, 2 device slots:
 #                  scripts/scenarios/repos/per_item), SLA 40 ms, 4 instances at most (not in the default set)
+#   batched        the shift day sent in requests of 4 items (--batch-size 4) at a quarter of its rates, SLA 40 ms
+#                  (not in the default set)
 # SCENARIOS="shift bursty" runs a subset; MODEL_ANALYZER=FILE overrides docs/bench/model_analyzer_shift.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,12 +41,12 @@ run() {   # run NAME SLA_MS REPOSITORY MODEL INSTANCES DELAYS MAX_INSTANCES [ext
     echo "== $name: $scenario, SLA $sla ms, $model ($(date -u +%H:%M:%S))"
     if [ ! -f "$dir/sweep.json" ]; then
         "$PY" -m controller sweep --repository "$repo" --model "$model" --scenario "$scenario" --instances "$inst" \
-            --delays-us "$delays" --seconds "${SWEEP_SECONDS:-4}" --sla-ms "$sla" --out "$dir"
+            --delays-us "$delays" --seconds "${SWEEP_SECONDS:-4}" --sla-ms "$sla" --out "$dir" ${INPUT_ARGS:-}
     else
         echo "   reusing $dir/sweep.json"
     fi
     "$PY" -m controller bench --repository "$repo" --model "$model" --scenario "$scenario" --sweep "$dir/sweep.json" \
-        --sla-ms "$sla" --max-instances "$maxi" --out "$dir" "$@"
+        --sla-ms "$sla" --max-instances "$maxi" --out "$dir" ${INPUT_ARGS:-} "$@"
 }
 
 SIM=model_repository
@@ -63,7 +65,8 @@ for s in $SCENARIOS; do
         cold_start)    TRAFFIC=shift run cold_start 40 scripts/scenarios/repos/cold_start sim_cold 1,2,4,6 0,2000 8 ;;
         two_peaks)     run two_peaks 25 scripts/scenarios/repos/wide sim_wide 1,2,3,4 0,2000 4 ;;
         lunch)         run lunch 40 scripts/scenarios/repos/per_item sim_item 1,2,3,4 0,4000 4 ;;
-        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts cold_start two_peaks lunch)" >&2; exit 2 ;;
+        batched)       INPUT_ARGS="--batch-size 4" run batched 40 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
+        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts cold_start two_peaks lunch batched)" >&2; exit 2 ;;
     esac
 done
 summaries=()
