@@ -139,6 +139,8 @@ def summarize_obs(obs: Observation) -> dict:
            "mean_ms": r(obs.request_ms_mean)}
     if obs.p99_source == "trace":
         out["p99_samples"] = obs.p99_samples
+    if obs.items_per_request > 1.0:       # requests of several items (the planner's unit: planner.simulate_quantised)
+        out["items_per_request"] = r(obs.items_per_request)
     if obs.warming_up:
         out["warming_up"] = True
     if obs.predicted_p99_ms is not None:

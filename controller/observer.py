@@ -91,6 +91,7 @@ class ModelObserver:
         self._executed_chain = 0
         self._executed_last: StatsCounters | None = None
         self._jitter: dict[Settings, deque[Jitter]] = {}    # per configuration: its last windows' estimates
+        self.items_per_request = 1.0   # of the last window in which a request succeeded (Observation's field)
 
     # -- feeding -------------------------------------------------------------------------------
     def add_scrape(self, now: float, counters: ModelCounters | None, stats: StatsCounters | None,
@@ -134,7 +135,7 @@ class ModelObserver:
         fits = tuple((s, f) for s in self.service.configs() if (f := self.service.fit(s)) is not None)
         jitters = tuple((s, j) for s in self._jitter if (j := self.jitter(s)) is not None)
         return PlanInputs(fits=fits, forecast=self.forecast, max_batch=max_batch_size, interval_s=interval_s,
-                          device_fraction=device_fraction, jitters=jitters)
+                          device_fraction=device_fraction, jitters=jitters, items_per_request=self.items_per_request)
 
     def jitter(self, settings: Settings) -> Jitter | None:
         """The configuration's execution jitter: of its last JITTER_KEPT windows' estimates, the one with the
@@ -171,6 +172,8 @@ class ModelObserver:
         self._calibrate_tail(now, live)
         traced = self.traces.summary(now, now - obs.since, since=obs.since) if obs.valid else None
         obs = self._latency(obs, traced)
+        if obs.valid and obs.completion_rps > 0:
+            self.items_per_request = obs.items_per_request
         if obs.valid:
             self._add_jitter(now, live, obs.since + obs.span_s, ends[1])
             fit = self.service.fit(live)
@@ -224,10 +227,10 @@ class ModelObserver:
             for rate, share in rate_components(self.forecast.rates_since(obs.since), self.forecast.tick_s):
                 if share >= 0.005:
                     parts.append((simulate_quantised(rate, live.instance_count, live.max_queue_delay_us, max_batch,
-                                                     fit.predict_ms, jitter), share))
+                                                     fit.predict_ms, jitter, self.items_per_request), share))
         if not parts or any(p is None for p, _ in parts):
             single = simulate_quantised(obs.arrival_rps, live.instance_count, live.max_queue_delay_us, max_batch,
-                                        fit.predict_ms, jitter)
+                                        fit.predict_ms, jitter, self.items_per_request)
             return None if single is None else single.p99_ms
         return mixture_p99(parts)
 

@@ -397,10 +397,12 @@ class ServiceModel:
     gamma: float
     gamma_source: str            # "measured" | "utilisation" | "default"
     jitters: dict[int, "Jitter"] = dataclasses.field(default_factory=dict)   # per count measured
+    items: float = 1.0           # items a request carries on average: what `predict` turns the curves' items into
+                                 # requests by (`simulate_quantised`), as every rate here is in requests
 
     @staticmethod
     def build(fits_by_config: Sequence[tuple[Settings, "ServiceFit"]], device_util: float | None,
-              jitter_by_config: Sequence[tuple[Settings, "Jitter"]] = ()) -> "ServiceModel":
+              jitter_by_config: Sequence[tuple[Settings, "Jitter"]] = (), items: float = 1.0) -> "ServiceModel":
         per_count: dict[int, ServiceFit] = {}
         for s, fit in fits_by_config:
             best = per_count.get(s.instance_count)
@@ -411,7 +413,8 @@ class ServiceModel:
             if s.instance_count not in jitters or j.scv > jitters[s.instance_count].scv:
                 jitters[s.instance_count] = j
         model = ServiceModel._build(per_count, device_util)
-        model = dataclasses.replace(model, fits=ServiceModel._shaped(per_count))
+        model = dataclasses.replace(model, fits=ServiceModel._shaped(per_count),
+                                    items=max(1.0, items) if math.isfinite(items) else 1.0)
         return dataclasses.replace(model, jitters=jitters) if jitters else model
 
     @staticmethod
@@ -515,7 +518,8 @@ class DeviceShare:
         return DeviceShare(util * mine / exec_rps, max(1.0, avg_batch), fit.predict_ms, util * (1.0 - mine))
 
     def load(self, arrival_rps: float, mean_batch: float) -> float:
-        """The device's predicted load with this model at `arrival_rps` in batches of `mean_batch`."""
+        """The device's predicted load with this model at `arrival_rps` in batches of `mean_batch`, both in items
+        (`predict` passes requests/s x items a request: executions/s are items/s over items a batch)."""
         b = max(1.0, mean_batch)
         base = max(1e-9, self.shape(self.batch))
         return self.others + arrival_rps / b * self.per_exec * self.shape(b) / base
@@ -577,23 +581,35 @@ def _q(x: float, step: float = 1.01) -> float:
     return step ** round(math.log(x) / math.log(step))
 
 
+ITEMS_STEP = 0.05           # items a request carries are simulated on this grid (simulate_quantised)
 JITTER_GRID = 1.05           # jitter quantiles are simulated on a 5% grid: the estimate moves every tick (a new window
                              # enters its median), and on the 1% grid every tick would simulate every candidate anew
 
 
 def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
-                       service_ms: Callable[[int], float], jitter: "Jitter | None" = None) -> Prediction | None:
+                       service_ms: Callable[[int], float], jitter: "Jitter | None" = None,
+                       items: float = 1.0) -> Prediction | None:
     """`simulate` on the 1% grid, remembered: the rate and the service curve (at b = 1, 2, 4, ... and
     `max_batch`, joined by straight lines) are rounded to 1%, so that the answer depends only on the
     rounded inputs and a tick that sees the same load as the last reuses its simulations. The curves
     are lines (service.py), so the rounded curve is within 1% of the measured one everywhere.
     Example: rates 300.0 and 301.5 req/s fall on the same grid point (300.3); 306 does not. The jitter's
-    quantiles are rounded to a 5% grid (JITTER_GRID)."""
-    mb = max(1, int(max_batch))
-    points = sorted({1, mb} | {2 ** k for k in range(1, 16) if 2 ** k < mb})
-    values = tuple(_q(max(0.0, float(service_ms(b)))) for b in points)
+    quantiles are rounded to a 5% grid (JITTER_GRID).
+
+    `items`: the items a request carries on average (the observation's `items_per_request`). Triton's batch sizes,
+    `max_batch` and the service curve count items; the rates and the simulation count requests. So a batch of r
+    requests takes service_ms(r x items), a full batch holds max_batch / items requests (at least 1), and the
+    answer's `mean_batch` is in items again. Example: max_batch 32, requests of 4 items: at most 8 requests a batch,
+    and 3 queued requests run as one execution of 12 items. Requests of mixed sizes are taken at their mean, on a
+    grid of 0.05 items (ITEMS_STEP: whole numbers stay whole). Why: simulated as one item each, clients that sent 4
+    items a request were predicted a p99 of 23 ms at 32 req/s where 65 ms was observed, and the planner stood aside
+    for the reactive rules."""
+    k = max(1.0, round(round(items / ITEMS_STEP) * ITEMS_STEP, 2)) if math.isfinite(items) else 1.0
+    mb = max(1, int(max(1, int(max_batch)) / k + 1e-9))
+    points = sorted({1, mb} | {2 ** j for j in range(1, 16) if 2 ** j < mb})
+    values = tuple(_q(max(0.0, float(service_ms(b * k)))) for b in points)
     jq = () if jitter is None else tuple(_q(x, JITTER_GRID) for x in jitter.quantiles)
-    key = (_q(arrival_rps), instances, int(delay_us), mb, values, jq)
+    key = (_q(arrival_rps), instances, int(delay_us), mb, values, jq, k)
     if key in _memo:
         _memo.move_to_end(key)
         return _memo[key]
@@ -607,6 +623,8 @@ def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_ba
         return values[-1]
 
     result = simulate(key[0], instances, delay_us, mb, line, requests=SIM_REQUESTS, jitter=jq)
+    if result is not None and k != 1.0:
+        result = dataclasses.replace(result, mean_batch=result.mean_batch * k)
     _memo[key] = result
     if len(_memo) > MEMO_SIZE:
         _memo.popitem(last=False)
@@ -615,20 +633,23 @@ def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_ba
 
 def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_batch: int, correction: float,
             limit_ms: float, device: DeviceShare | None = None) -> Candidate | None:
-    """One candidate's corrected p99 at `arrival_rps`; None without a service curve for it."""
+    """One candidate's corrected p99 at `arrival_rps` (requests/s of `model.items` items each); None without a service
+    curve for it."""
     curve = model.curve(settings.instance_count)
     if curve is None:
         return None
     jitter = model.jitter(settings.instance_count)
+    k = model.items
     if arrival_rps < 0.01:       # why: no load to speak of (and 1/rate would overflow): a lone request
-        s1 = curve(1) * (1.0 if jitter is None else jitter.at(0.99))
+        s1 = curve(k) * (1.0 if jitter is None else jitter.at(0.99))
         ok = s1 * correction <= limit_ms
-        return Candidate(settings, arrival_rps, s1 * correction, s1, 1.0, 0.0, ok, within=1.0 if ok else 0.0)
+        return Candidate(settings, arrival_rps, s1 * correction, s1, k, 0.0, ok, within=1.0 if ok else 0.0)
     sim = simulate_quantised(arrival_rps, settings.instance_count, settings.max_queue_delay_us, max_batch, curve,
-                             jitter)
+                             jitter, k)
     if sim is None:
         return None
-    load = None if device is None else device.load(arrival_rps, sim.mean_batch)
+    # the device's load and batches are in items: executions/s = items/s over items a batch
+    load = None if device is None else device.load(arrival_rps * k, sim.mean_batch)
     waited_us = 0
     if device is not None and sim.stable and load > DEVICE_LIMIT:
         # why: the simulation's batches are what free instances take at once; where those would keep the device
@@ -637,17 +658,17 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
         # enough to keep the device DEVICE_SELF_BATCH busy: a measured host-heavy model at 2 x 0us held 300 req/s
         # (p99 43 ms, SLA 50) where the load at its small batches read "cannot hold", and the planner chose a
         # needless 8-ms delay (a full reload) instead (docs/results.md, "A model the planner was not tuned on").
-        need = device.batch_for(arrival_rps, DEVICE_SELF_BATCH, max_batch) \
-            or device.batch_for(arrival_rps, DEVICE_LIMIT, max_batch)   # full batches, busier still
+        need = device.batch_for(arrival_rps * k, DEVICE_SELF_BATCH, max_batch) \
+            or device.batch_for(arrival_rps * k, DEVICE_LIMIT, max_batch)   # full batches, busier still
         if need is None:
             sim = dataclasses.replace(sim, stable=False)
         else:
-            wait_us = max(settings.max_queue_delay_us, _wait_us((need - 1.0) / arrival_rps))
+            wait_us = max(settings.max_queue_delay_us, _wait_us((need / k - 1.0) / arrival_rps))
             for _ in range(SELF_BATCH_STEPS):
-                waited = simulate_quantised(arrival_rps, settings.instance_count, wait_us, max_batch, curve, jitter)
+                waited = simulate_quantised(arrival_rps, settings.instance_count, wait_us, max_batch, curve, jitter, k)
                 if waited is None:
                     return None
-                sim, waited_us, load = waited, wait_us, device.load(arrival_rps, waited.mean_batch)
+                sim, waited_us, load = waited, wait_us, device.load(arrival_rps * k, waited.mean_batch)
                 if load <= DEVICE_LIMIT or not sim.stable:
                     break
                 wait_us = _wait_us(1.5 * wait_us / 1e6)
@@ -687,7 +708,7 @@ def capacity_rps(settings: Settings, model: ServiceModel, max_batch: int, correc
     if curve is None:
         return None
     b = max(1, max_batch)
-    top = settings.instance_count * b / max(1e-6, curve(b) / 1000.0)   # every instance running full batches
+    top = settings.instance_count * b / max(1e-6, curve(b) / 1000.0) / model.items   # every instance, full batches
     lo, hi = 0.0, top if upper is None else min(top, upper)
     for _ in range(iterations):
         mid = (lo + hi) / 2
@@ -832,6 +853,7 @@ class PlanInputs:
     interval_s: float
     device_fraction: float | None = None     # this model's share of its device's work (None: all of it)
     jitters: tuple[tuple[Settings, "Jitter"], ...] = ()   # per configuration: its executions' jitter (`simulate`)
+    items_per_request: float = 1.0           # items a request carries on average (`simulate_quantised`)
 
 
 @dataclass(frozen=True)
@@ -909,7 +931,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     2 x 0us -> 2 x 500us -> 2 x 0us -> 2 x 2000us -> 2 x 0us, four full reloads, each serving its first requests
     800 ms late: a p99 of 734 ms over the run against 20 ms where the same model held 3 x 0us.
     """
-    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters)
+    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request)
     if live.instance_count not in model.fits:
         return fallback("too little data: no service curve measured for the live instance count yet", state)
     factor, raw = correction(state, now)
@@ -1208,7 +1230,7 @@ def _live_model(live: Settings, inputs: PlanInputs, state: PlannerState, device_
                 avg_batch: float, now: float) -> tuple[ServiceModel, float, DeviceShare | None] | None:
     """The service model, the correction factor and the device share that predictions around the live
     configuration use (as in `choose`); None without a measured curve for the live count."""
-    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters)
+    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request)
     if live.instance_count not in model.fits:
         return None
     factor, _ = correction(state, now)

@@ -390,6 +390,13 @@ def _delta(first: ModelCounters, last: ModelCounters, *names: str) -> float:
     return sum(getattr(last, n) - getattr(first, n) for n in names)
 
 
+def _items_per_request(items: float, successes: float) -> float:
+    """Items a successful request carried on average (at least 1; 1 where no request succeeded). Example: 1,000
+    inferences over 250 successes: 4.0. At least 1: responses from the response cache count as successes but not as
+    inferences, so a cached share would otherwise read as fewer items."""
+    return max(1.0, items / successes) if successes > 0 and items > 0 else 1.0
+
+
 def _per_request_ms(delta_us: float, delta_requests: float) -> float:
     """Mean microseconds per request, in ms; 0.0 when no request finished (nothing waited)."""
     return delta_us / delta_requests / 1000.0 if delta_requests > 0 else 0.0
@@ -480,8 +487,8 @@ class ModelWindow:
         failure 0 -> 0, pending 2 -> 6, inference_count 2000 -> 3000, exec_count 250 -> 375,
         queue_us +1,000,000, compute (input+infer+output) us +10,000,000, request_us
         +11,500,000 give arrival_rps = (500 + 0 + 4) / 10 = 50.4, completion_rps = 50,
-        exec_rps = 12.5, avg_batch_size = 1000 / 125 = 8, queue_ms_per_request =
-        1e6 / 500 / 1000 = 2, compute_ms_per_request = 20, request_ms_mean = 23,
+        exec_rps = 12.5, avg_batch_size = 1000 / 125 = 8, items_per_request = 1000 / 500 = 2,
+        queue_ms_per_request = 1e6 / 500 / 1000 = 2, compute_ms_per_request = 20, request_ms_mean = 23,
         busy_fraction = 20,000 µs × 125 / 10 s / 1e6 / 1 = 0.25.
 
         `valid=False` (with `invalid_reason`) when: no sample in the window; the newest
@@ -524,6 +531,7 @@ def _observation(samples: list[Sample], span_s: float, instance_count: int) -> O
         shed_rps=min(max(0.0, shed), failures) / span_s,
         exec_rps=executions / span_s,
         avg_batch_size=_delta(first, last, "inference_count") / executions if executions > 0 else 0.0,
+        items_per_request=_items_per_request(_delta(first, last, "inference_count"), successes),
         pending_mean=sum(pendings) / len(pendings),
         queue_ms_per_request=_per_request_ms(_delta(first, last, "queue_us"), requests),
         compute_ms_per_request=_per_request_ms(compute_us, requests),

@@ -51,6 +51,8 @@ class Observation:
     shed_rps: float = 0.0                 # ... of which refused by the scheduler or cancelled (load, not a fault)
     exec_rps: float = 0.0                 # model executions (batches) per second
     avg_batch_size: float = 0.0           # inferences per execution
+    items_per_request: float = 1.0        # items (inferences) a successful request carried on average: Triton's batch
+                                          # sizes count items, its rates requests (a client may send 4 items at once)
     pending_mean: float = 0.0             # nv_inference_pending_request_count, mean over window
     queue_ms_per_request: float = 0.0     # mean time a request waited in the scheduler queue
     compute_ms_per_request: float = 0.0   # mean input+infer+output time charged to a request

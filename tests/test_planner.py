@@ -76,3 +76,19 @@ def test_quantised_simulation_follows_a_curve_with_a_single_size_bound():
     bound = lambda b: 9.0 * max(1.0, b / 2)  # noqa: E731  (service.ServiceFit with one size seen: 9 ms at b=2)
     p = simulate_quantised(150.0, 1, 0, 32, bound)
     assert p is not None and p.stable and p.p99_ms > 9.0
+
+
+def test_requests_of_several_items_are_simulated_in_requests_with_their_items_service_time():
+    """`items`: a batch of r requests of 4 items runs s(4r), a full batch holds max_batch / 4 requests, and the
+    answer's batches are in items (simulate_quantised's doc)."""
+    from controller.planner import simulate_quantised
+    four = simulate_quantised(40.0, 1, 0, 32, SIM, items=4.0)
+    same = simulate_quantised(40.0, 1, 0, 8, lambda r: SIM(4 * r))     # the same queue written in requests
+    assert four.p99_ms == same.p99_ms and four.mean_batch == pytest.approx(4 * same.mean_batch)
+    assert four.p99_ms >= SIM(4) and 4.0 <= four.mean_batch <= 32.0
+    one = simulate_quantised(40.0, 1, 0, 32, SIM)                        # taken as 1 item each: far too fast
+    assert one.p99_ms < 0.8 * four.p99_ms
+    # more items than a full batch / 2: one request a batch; a mean between integers is kept on the 1% grid
+    assert simulate_quantised(10.0, 1, 0, 32, SIM, items=20.0).mean_batch == pytest.approx(20.0, rel=0.011)
+    assert simulate_quantised(40.0, 1, 0, 32, SIM, items=1.0) is one          # 1 item: the plain simulation
+    assert simulate_quantised(40.0, 1, 0, 32, SIM, items=float("nan")) is one

@@ -31,8 +31,10 @@ def fits(*counts: int, scale: dict[int, float] | None = None):
     return tuple((S(n), fit_service({b: (k, m * scale.get(n, 1.0)) for b, (k, m) in SIM.items()})) for n in counts)
 
 
-def inputs(*counts: int, forecast: Forecast | None = None, max_batch: int = 32, scale=None) -> PlanInputs:
-    return PlanInputs(fits=fits(*counts, scale=scale), forecast=forecast, max_batch=max_batch, interval_s=1.0)
+def inputs(*counts: int, forecast: Forecast | None = None, max_batch: int = 32, scale=None,
+           items: float = 1.0) -> PlanInputs:
+    return PlanInputs(fits=fits(*counts, scale=scale), forecast=forecast, max_batch=max_batch, interval_s=1.0,
+                      items_per_request=items)
 
 
 def run(live: Settings, rate: float, inp: PlanInputs, state: PlannerState = PlannerState(), *, target=40.0,
@@ -1072,3 +1074,24 @@ def test_the_policy_keeps_a_scale_up_in_place_when_its_delay_change_would_not_fi
     assert d_free.target == S(2, 2000)                   # with room, the planner adds the delay too
     d, _ = decide(obs(300.0, gpus=gpus), S(1), st_, lim)
     assert d.mode == "model" and d.target == S(2, 0)     # within the budget: the instance, in place
+
+
+# ---- requests of several items ----------------------------------------------------------------------
+
+def test_requests_of_four_items_carry_a_quarter_of_the_rate_and_need_more_instances():
+    """The curves count items, the rates requests (simulate_quantised's `items`): with 4 items a request one
+    instance's capacity is that of the same queue written in requests (s'(r) = s(4 r), batches of 8 requests),
+    and a load one instance holds in 1-item requests needs more in 4-item ones."""
+    four = ServiceModel.build(fits(1), None, items=4.0)
+    written = ServiceModel({1: fit_service({r: (k, 6.0 + 6.0 * r) for r, (k, _) in SIM.items()})}, 0.1, "default")
+    cap4 = planner.capacity_rps(S(1), four, 32, 1.0, 40.0)
+    assert cap4 == pytest.approx(planner.capacity_rps(S(1), written, 8, 1.0, 40.0), rel=0.02)
+    cap1 = planner.capacity_rps(S(1), ServiceModel.build(fits(1), None), 32, 1.0, 40.0)   # ~370 req/s
+    assert cap4 < cap1 / 3
+    assert ServiceModel.build(fits(1), None, items=float("inf")).items == 1.0
+    assert ServiceModel.build(fits(1), None, items=0.5).items == 1.0          # fewer than 1 (cache hits): 1
+    one = run(S(1), 120.0, inputs(1, 2, items=1.0))
+    assert one.usable and one.target is None                                 # 120 items/s: one instance holds
+    p = run(S(1), 120.0, inputs(1, 2, items=4.0), batch=6.0)
+    assert p.usable and p.target is not None and p.target.instance_count >= 2, (p.reason, p.detail)
+    assert p.live.mean_batch >= 4.0 and "batch" in p.detail

@@ -341,7 +341,7 @@ WORKED = (
         pytest.param(
             WORKED, 1,
             dict(span_s=10, since=100, arrival_rps=50.4, completion_rps=50, failure_rps=0, exec_rps=12.5,
-                 avg_batch_size=8, pending_mean=4, queue_ms_per_request=2,
+                 avg_batch_size=8, items_per_request=2, pending_mean=4, queue_ms_per_request=2,
                  compute_ms_per_request=20, request_ms_mean=23, busy_fraction=0.25),
             id="docstring-worked-example",
         ),
@@ -356,9 +356,14 @@ WORKED = (
         ),
         pytest.param(
             ((0.0, C(success=40, pending=3)), (4.0, C(success=40, pending=3))), 1,
-            dict(arrival_rps=0, completion_rps=0, avg_batch_size=0, queue_ms_per_request=0,
+            dict(arrival_rps=0, completion_rps=0, avg_batch_size=0, items_per_request=1, queue_ms_per_request=0,
                  compute_ms_per_request=0, busy_fraction=0, pending_mean=3, p99_ms=None, p99_source="none"),
             id="idle-window-is-valid-zero-not-nan",
+        ),
+        pytest.param(
+            ((0.0, C()), (5.0, C(success=100, inference_count=50, exec_count=50))), 1,
+            dict(items_per_request=1, avg_batch_size=1),
+            id="cached-responses-succeed-without-inferences-items-at-least-1",
         ),
         pytest.param(
             ((0.0, C(success=10, pending=8)), (2.0, C(success=30, pending=0))), 1,
