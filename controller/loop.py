@@ -77,7 +77,8 @@ class ManagedModel:
     observer: ModelObserver
     state: policy.PolicyState
     current: Settings | None = None
-    max_batch_size: int = 0
+    batch_limit: int = 0       # the most items one execution gathers from several requests: max_batch_size under a
+                               # dynamic or sequence batcher, 0 (one request an execution) under the default scheduler
     sim_slots: int | None = None                         # a simulated device's slots, from the model's parameters
     last_reason: str = ""
     reason_since: float | None = None                   # when `last_reason` became the reason (controller clock)
@@ -360,7 +361,7 @@ class Controller:
         live = settings_of(cfg)
         mm.live_config = cfg
         self._adopt_kind(mm, cfg, now)
-        mm.max_batch_size = int(cfg.get("max_batch_size", 0) or 0)
+        mm.batch_limit = mm.kind.max_batch_size if mm.kind is not None and mm.kind.batches_requests else 0
         mm.sim_slots = _int_parameter(cfg, "device_parallelism")   # a simulated device's slots (sim_accel)
         mm.mark = mark_of(cfg)
         adopted = None
@@ -645,7 +646,7 @@ class Controller:
             return None
         mm.observer.add_scrape(now, counters, None if stats is None else stats.get(mm.name), mm.current)
         on_device = not self._simulating or self.simulated.hosts(counters)
-        obs = mm.observer.observe(now, mm.current, devices if on_device else (), mm.max_batch_size)
+        obs = mm.observer.observe(now, mm.current, devices if on_device else (), mm.batch_limit)
         if obs.valid and mm.per_device:
             obs = dataclasses.replace(obs, placement=tuple(mm.per_device.items()))
         if counters is not None and self._simulating and self.simulated.hosts(counters):
@@ -658,10 +659,10 @@ class Controller:
             return None
         if self.config.loop.owner_mark and not self._may_act(mm, obs, now):
             return None
-        inputs = (mm.observer.plan_inputs(mm.max_batch_size, self.config.loop.interval_s, self._device_fraction(mm, obs))
+        inputs = (mm.observer.plan_inputs(mm.batch_limit, self.config.loop.interval_s, self._device_fraction(mm, obs))
                   if self.config.loop.planner else None)
         mm.plan_inputs = inputs
-        decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.max_batch_size,
+        decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.batch_limit,
                                            inputs)
         ceiling, _ = policy.instance_ceiling(mm.current, mm.limits, mm.state, obs, now)
         stale = mm.predicted is None or mm.predicted["live"] != mm.current or mm.predicted["ceiling"] != ceiling

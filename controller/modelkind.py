@@ -14,7 +14,9 @@
   a queue. The model is observed and shown in `status`, and the start-up line says so; nothing is changed.
 * **no batching** (`max_batch_size: 0`): instances only; the delay knob does not exist.
 * **batching without `dynamic_batching`** (e.g. `sequence_batching`): instances only; the controller does
-  not add a dynamic batcher the user did not write.
+  not add a dynamic batcher the user did not write. With no scheduler at all (`max_batch_size` > 0 alone: Triton's
+  default scheduler) each request runs alone, so the planner simulates executions of one request
+  (`batches_requests`).
 * **a sequence batcher** (stateful: `sequence_batching`): instances are **only added** while it has requests,
   unless the model's `sequence_scale_down: true`, and it is never claimed with a full reload (loop._claim_now).
   Once no request has come for longer than its `max_sequence_idle_microseconds` (Triton's own idle timeout, 1 s
@@ -55,6 +57,14 @@ class ModelKind:
     @property
     def ensemble(self) -> bool:
         return self.backend == ENSEMBLE
+
+    @property
+    def batches_requests(self) -> bool:
+        """The server puts several requests into one execution: a dynamic or a sequence batcher does; the default
+        scheduler (neither written: `max_batch_size` > 0 alone) runs each request as it came, with the items the
+        client put in it (Triton's scheduler docs; tests/test_items_live.py measured it on 2.51: batch sizes
+        only ever the requests' own)."""
+        return self.max_batch_size > 0 and (self.dynamic_batching or self.sequence_batching)
 
     @property
     def managed(self) -> bool:

@@ -68,6 +68,13 @@ def test_batching_without_dynamic_batcher_is_instances_only():
         "instances only: no dynamic_batching")
 
 
+def test_only_a_batcher_puts_several_requests_in_one_execution():
+    """The planner simulates one request an execution under Triton's default scheduler (no batcher written)."""
+    assert classify(BATCHED).batches_requests and classify(SEQUENCE).batches_requests
+    assert not classify({"name": "x", "backend": "tensorrt", "max_batch_size": 8}).batches_requests
+    assert not classify(NO_BATCH).batches_requests
+
+
 # ---- the loop ----------------------------------------------------------------------------------------
 
 def make(configs: dict[str, dict], fakes: dict[str, FakeModel], clock: Clock, limits: ModelLimits):
