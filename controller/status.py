@@ -445,8 +445,10 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
             if ens:
                 rows.extend(_ensemble_rows(m, models or {}, name))
             elif o.get("completion_rps"):
+                items = o.get("items_per_request")     # logged only where a request carries more than one
                 rows.append(("per request", f"queue {_num(o.get('queue_ms'), 2)} ms + compute {_num(o.get('compute_ms'), 2)} ms; "
-                             f"busy {'?' if busy is None else f'{100 * busy:.0f}%'}{_busy_note(o)}, {_num(o.get('avg_batch'), 2)} per batch"))
+                             f"busy {'?' if busy is None else f'{100 * busy:.0f}%'}{_busy_note(o)}, {_num(o.get('avg_batch'), 2)} "
+                             + (f"items per batch, {_num(items, 2)} per request" if items else "per batch")))
             svc = o.get("service")
             if svc and svc.get("alpha_ms") is not None:
                 jitter = o.get("jitter") or {}

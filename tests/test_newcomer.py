@@ -226,6 +226,10 @@ def test_the_text_is_one_aligned_block_per_model():
     estimated = dict(SEEN, obs=dict(SEEN["obs"], busy_source="requests"))
     rows_est = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", estimated)[1:])
     assert rows_est["per request"] == "queue 1.25 ms + compute 8.10 ms; busy 45% (estimated), 1.80 per batch"
+    # requests of several items (a client batching on its side): the batch is in items, and the request's items shown
+    batched = dict(SEEN, obs=dict(SEEN["obs"], avg_batch=7.2, items_per_request=4.0))
+    rows_items = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", batched)[1:])
+    assert rows_items["per request"] == "queue 1.25 ms + compute 8.10 ms; busy 45%, 7.20 items per batch, 4.00 per request"
     exact = dict(SEEN, obs=dict(SEEN["obs"], busy_source="batch_stats"))
     assert "busy 45%, 1.80" in "\n".join(format_model("sim_accel", exact))
     # a window holding the model's first executions since it loaded says so beside its p99
