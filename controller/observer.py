@@ -38,7 +38,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .planner import Forecast, PlanInputs, mixture_p99, rate_components, simulate_quantised
+from .planner import Forecast, PlanInputs, implicit_step, mixture_p99, rate_components, simulate_quantised
 from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import (TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceSummary, TraceWindow,
@@ -55,6 +55,8 @@ TRACE_MAX_AGE_S = 120.0
 WARMUP_EXECUTIONS = 50          # a span that began before the model's first this-many executions is warming up
 JITTER_KEPT = 5                 # a configuration's jitter is the median of its last this-many windows' estimates
 JITTER_SPAN_S = 60.0            # a jitter estimate reads the traced times of up to this much of the live configuration
+IMPLICIT_KEPT = 5               # the batcher's implicit wait is the median of the last this-many windows' steps ...
+IMPLICIT_MIN_EXECUTIONS = 100   # ... each over at least this many executions
 JITTER_CONFIGS = 32             # configurations whose jitter is remembered; the least recently seen goes first
 
 _Read = tuple[int, int, int, StatsCounters]   # one tick's statistics: (chain, executions, ns executing, themselves)
@@ -92,6 +94,8 @@ class ModelObserver:
         self._executed_last: StatsCounters | None = None
         self._jitter: dict[Settings, deque[Jitter]] = {}    # per configuration: its last windows' estimates
         self.items_per_request = 1.0   # of the last window in which a request succeeded (Observation's field)
+        self.implicit_us = 0           # the batcher's implicit wait (planner.implicit_step): the median of ...
+        self._implicit: deque[int] = deque(maxlen=IMPLICIT_KEPT)     # ... the last windows' steps
 
     # -- feeding -------------------------------------------------------------------------------
     def add_scrape(self, now: float, counters: ModelCounters | None, stats: StatsCounters | None,
@@ -135,7 +139,8 @@ class ModelObserver:
         fits = tuple((s, f) for s in self.service.configs() if (f := self.service.fit(s)) is not None)
         jitters = tuple((s, j) for s in self._jitter if (j := self.jitter(s)) is not None)
         return PlanInputs(fits=fits, forecast=self.forecast, max_batch=max_batch_size, interval_s=interval_s,
-                          device_fraction=device_fraction, jitters=jitters, items_per_request=self.items_per_request)
+                          device_fraction=device_fraction, jitters=jitters, items_per_request=self.items_per_request,
+                          implicit_us=self.implicit_us)
 
     def jitter(self, settings: Settings) -> Jitter | None:
         """The configuration's execution jitter: of its last JITTER_KEPT windows' estimates, the one with the
@@ -178,6 +183,8 @@ class ModelObserver:
             self._add_jitter(now, live, obs.since + obs.span_s, ends[1])
             fit = self.service.fit(live)
             jitter = self.jitter(live)
+            if fit is not None:
+                self._note_implicit(obs, live, max(1, max_batch_size), fit, jitter)
             obs = dataclasses.replace(obs, service=fit, jitter=jitter, cold_start=self.service.cold_start(),
                                       predicted_p99_ms=None if fit is None else
                                       self._window_p99(obs, live, max(1, max_batch_size), fit, jitter))
@@ -216,21 +223,39 @@ class ModelObserver:
         while len(self._jitter) > JITTER_CONFIGS:
             self._jitter.pop(next(iter(self._jitter)))
 
+    def _window_parts(self, obs: Observation) -> list[tuple[float, float]]:
+        """The loads the window's ticks held (rate, share of its requests: `rate_components`), else its mean rate."""
+        parts = []
+        if self.forecast is not None:
+            parts = [(rate, share) for rate, share in rate_components(self.forecast.rates_since(obs.since),
+                                                                      self.forecast.tick_s) if share >= 0.005]
+        return parts or [(obs.arrival_rps, 1.0)]
+
+    def _note_implicit(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None) -> None:
+        """One step of the batcher's implicit wait (planner.implicit_step) from this window's batches, where the
+        window holds IMPLICIT_MIN_EXECUTIONS executions past the model's warm-up; `implicit_us` the median of the last
+        IMPLICIT_KEPT steps (a window of clumped arrivals moves it one step, not to the top of the grid)."""
+        if obs.warming_up or obs.exec_rps * obs.span_s < IMPLICIT_MIN_EXECUTIONS:
+            return
+        step = implicit_step(self._window_parts(obs), live, fit.predict_ms, max_batch, self.items_per_request,
+                             obs.avg_batch_size, jitter, self._implicit[-1] if self._implicit else 0)
+        if step is None:
+            return
+        self._implicit.append(step)
+        self.implicit_us = sorted(self._implicit)[len(self._implicit) // 2]
+
     def _window_p99(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None = None) -> float | None:
         """The live configuration's predicted p99 over the window, for the planner's check of itself against
         the traced one: one simulation per load the window's ticks held (`rate_components`: one under a
         steady load or a ramp, two under on/off bursts), their tails mixed by their requests (`mixture_p99`),
         so that the bursts' queueing is predicted rather than read as model error, and a window that holds
         one more or one less burst tick moves the prediction a little, not from the lull's p99 to the burst's."""
-        parts = []
-        if self.forecast is not None:
-            for rate, share in rate_components(self.forecast.rates_since(obs.since), self.forecast.tick_s):
-                if share >= 0.005:
-                    parts.append((simulate_quantised(rate, live.instance_count, live.max_queue_delay_us, max_batch,
-                                                     fit.predict_ms, jitter, self.items_per_request), share))
-        if not parts or any(p is None for p, _ in parts):
-            single = simulate_quantised(obs.arrival_rps, live.instance_count, live.max_queue_delay_us, max_batch,
-                                        fit.predict_ms, jitter, self.items_per_request)
+        delay_us = live.max_queue_delay_us + self.implicit_us      # as the planner simulates it (planner.predict)
+        parts = [(simulate_quantised(rate, live.instance_count, delay_us, max_batch, fit.predict_ms, jitter,
+                                     self.items_per_request), share) for rate, share in self._window_parts(obs)]
+        if any(p is None for p, _ in parts):
+            single = simulate_quantised(obs.arrival_rps, live.instance_count, delay_us, max_batch, fit.predict_ms,
+                                        jitter, self.items_per_request)
             return None if single is None else single.p99_ms
         return mixture_p99(parts)
 

@@ -399,10 +399,13 @@ class ServiceModel:
     jitters: dict[int, "Jitter"] = dataclasses.field(default_factory=dict)   # per count measured
     items: float = 1.0           # items a request carries on average: what `predict` turns the curves' items into
                                  # requests by (`simulate_quantised`), as every rate here is in requests
+    implicit_us: int = 0         # the server's batcher acts as if it waited this long more than its delay (measured:
+                                 # `implicit_step`); `predict` simulates every candidate's delay plus it
 
     @staticmethod
     def build(fits_by_config: Sequence[tuple[Settings, "ServiceFit"]], device_util: float | None,
-              jitter_by_config: Sequence[tuple[Settings, "Jitter"]] = (), items: float = 1.0) -> "ServiceModel":
+              jitter_by_config: Sequence[tuple[Settings, "Jitter"]] = (), items: float = 1.0,
+              implicit_us: int = 0) -> "ServiceModel":
         per_count: dict[int, ServiceFit] = {}
         for s, fit in fits_by_config:
             best = per_count.get(s.instance_count)
@@ -414,7 +417,8 @@ class ServiceModel:
                 jitters[s.instance_count] = j
         model = ServiceModel._build(per_count, device_util)
         model = dataclasses.replace(model, fits=ServiceModel._shaped(per_count),
-                                    items=max(1.0, items) if math.isfinite(items) else 1.0)
+                                    items=max(1.0, items) if math.isfinite(items) else 1.0,
+                                    implicit_us=max(0, int(implicit_us)))
         return dataclasses.replace(model, jitters=jitters) if jitters else model
 
     @staticmethod
@@ -631,6 +635,60 @@ def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_ba
     return result
 
 
+IMPLICIT_GRID_US = (0, 250, 500, 1000, 2000)   # the batcher's own wait, as measured (implicit_step), on this grid
+IMPLICIT_TOLERANCE = 0.02    # a simulated mean batch within 2% under the observed one matches it (simulation noise)
+
+
+def implicit_step(parts: Sequence[tuple[float, float]], live: Settings, curve: Callable[[float], float],
+                  max_batch: int, items: float, observed_batch: float, jitter: "Jitter | None" = None,
+                  current: int = 0) -> int | None:
+    """One step of the search for how long the server's batcher acts as if it waited before taking a batch from an
+    instance that is free: the wait on IMPLICIT_GRID_US, added to the live delay, at which the simulation of the live
+    configuration forms batches as large as the server did over the window (`observed_batch`: items an execution, the
+    window's avg_batch_size). From `current` it moves one grid step a window: up where the simulation's batches at
+    `current` fall short of the observed ones (by more than IMPLICIT_TOLERANCE), down where the next wait down
+    already forms them, else it stays; so a tick simulates once or twice. `parts`: the window's loads (rate, share of
+    its requests: `rate_components`); their batches mix as the requests' share over each load's mean batch. None
+    where nothing can be read: no load, or batches that hold one request only (no wait makes them larger).
+
+    Why: the simulation's batcher takes a batch the instant an instance is free, so with instances to spare every
+    request runs alone; the server formed larger ones. sim_accel, 4 instances, 95 req/s of 4 items (batched r68):
+    1.07 requests an execution where the simulation formed 1.00, and those batches of 8-12 items set the p99 (26.4 ms
+    traced, 15.9 simulated): the correction reached 1.34-1.6, the planner took a 4th instance it did not need and
+    then stood aside. Simulated with a 1,000-us wait: 1.08 requests an execution and p99 26.2 ms; at 3 instances
+    1.07 and 25.1 ms (1.06-1.08 and 23-28 traced), at 2 1.07 (1.06). Whatever makes it (the batcher's thread waking
+    late on a busy host, requests arriving in clumps), it is measured where it shows, in the batches.
+    Example: observed 4.29 items an execution at 4 instances, 95 req/s of 4 items: 0 us simulates 4.01, 250 us 4.14,
+    500 us 4.20, 1,000 us 4.32 >= 4.29 x 0.98; from 0 the steps go 250, 500, 1,000 and stay there."""
+    k = max(1.0, items) if math.isfinite(items) else 1.0
+    parts = [(r, w) for r, w in parts if r > 0 and w > 0]
+    if not parts or not observed_batch > 0 or int(max(1, max_batch) / k + 1e-9) < 2:
+        return None
+
+    def batch_at(wait: int) -> float | None:
+        sims = [(simulate_quantised(r, live.instance_count, live.max_queue_delay_us + wait, max_batch, curve, jitter,
+                                    k), w) for r, w in parts]
+        if any(p is None for p, _ in sims):
+            return None
+        return sum(w for _, w in sims) / sum(w / max(p.mean_batch, 1e-9) for p, w in sims)   # items / executions
+
+    grid = IMPLICIT_GRID_US
+    i = grid.index(current) if current in grid else 0
+    enough = observed_batch * (1.0 - IMPLICIT_TOLERANCE)
+    here = batch_at(grid[i])
+    if here is None:
+        return None
+    if here < enough:
+        return grid[min(i + 1, len(grid) - 1)]
+    if i > 0:
+        below = batch_at(grid[i - 1])
+        if below is None:
+            return None
+        if below >= enough:
+            return grid[i - 1]
+    return grid[i]
+
+
 def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_batch: int, correction: float,
             limit_ms: float, device: DeviceShare | None = None) -> Candidate | None:
     """One candidate's corrected p99 at `arrival_rps` (requests/s of `model.items` items each); None without a service
@@ -644,8 +702,8 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
         s1 = curve(k) * (1.0 if jitter is None else jitter.at(0.99))
         ok = s1 * correction <= limit_ms
         return Candidate(settings, arrival_rps, s1 * correction, s1, k, 0.0, ok, within=1.0 if ok else 0.0)
-    sim = simulate_quantised(arrival_rps, settings.instance_count, settings.max_queue_delay_us, max_batch, curve,
-                             jitter, k)
+    delay_us = settings.max_queue_delay_us + model.implicit_us     # the batcher's wait, as the server shows it
+    sim = simulate_quantised(arrival_rps, settings.instance_count, delay_us, max_batch, curve, jitter, k)
     if sim is None:
         return None
     # the device's load and batches are in items: executions/s = items/s over items a batch
@@ -663,7 +721,7 @@ def predict(settings: Settings, arrival_rps: float, model: ServiceModel, max_bat
         if need is None:
             sim = dataclasses.replace(sim, stable=False)
         else:
-            wait_us = max(settings.max_queue_delay_us, _wait_us((need / k - 1.0) / arrival_rps))
+            wait_us = max(delay_us, _wait_us((need / k - 1.0) / arrival_rps))
             for _ in range(SELF_BATCH_STEPS):
                 waited = simulate_quantised(arrival_rps, settings.instance_count, wait_us, max_batch, curve, jitter, k)
                 if waited is None:
@@ -854,6 +912,7 @@ class PlanInputs:
     device_fraction: float | None = None     # this model's share of its device's work (None: all of it)
     jitters: tuple[tuple[Settings, "Jitter"], ...] = ()   # per configuration: its executions' jitter (`simulate`)
     items_per_request: float = 1.0           # items a request carries on average (`simulate_quantised`)
+    implicit_us: int = 0                     # the batcher's wait beyond its delay, as measured (`implicit_step`)
 
 
 @dataclass(frozen=True)
@@ -931,7 +990,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     2 x 0us -> 2 x 500us -> 2 x 0us -> 2 x 2000us -> 2 x 0us, four full reloads, each serving its first requests
     800 ms late: a p99 of 734 ms over the run against 20 ms where the same model held 3 x 0us.
     """
-    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request)
+    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request, inputs.implicit_us)
     if live.instance_count not in model.fits:
         return fallback("too little data: no service curve measured for the live instance count yet", state)
     factor, raw = correction(state, now)
@@ -1132,6 +1191,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     jitter = model.jitter(live.instance_count)
     where = (f"forecast {band[0]:.0f}-{band[2]:.0f} req/s in {horizon:.1f} s; live {_desc(live_c)}; "
              f"gamma {model.gamma:.2f} ({model.gamma_source}), "
+             + (f"batcher's own wait {model.implicit_us} us (measured), " if model.implicit_us else "")
              + (f"executions p99 {jitter.at(0.99):.1f}x their mean, " if jitter is not None and jitter.quantiles else "")
              + f"correction {factor:.2f}")
     keep = dataclasses.replace(state, smaller_ticks=0, smaller_best=None)
@@ -1230,7 +1290,7 @@ def _live_model(live: Settings, inputs: PlanInputs, state: PlannerState, device_
                 avg_batch: float, now: float) -> tuple[ServiceModel, float, DeviceShare | None] | None:
     """The service model, the correction factor and the device share that predictions around the live
     configuration use (as in `choose`); None without a measured curve for the live count."""
-    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request)
+    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request, inputs.implicit_us)
     if live.instance_count not in model.fits:
         return None
     factor, _ = correction(state, now)

@@ -92,3 +92,28 @@ def test_requests_of_several_items_are_simulated_in_requests_with_their_items_se
     assert simulate_quantised(10.0, 1, 0, 32, SIM, items=20.0).mean_batch == pytest.approx(20.0, rel=0.011)
     assert simulate_quantised(40.0, 1, 0, 32, SIM, items=1.0) is one          # 1 item: the plain simulation
     assert simulate_quantised(40.0, 1, 0, 32, SIM, items=float("nan")) is one
+
+
+def test_the_batchers_own_wait_is_found_one_step_a_window():
+    """implicit_step: the wait (beyond the delay) at which the live configuration's simulation forms the batches the
+    server formed, one grid step a window; none to read where a batch holds one request only or nothing came."""
+    from controller.planner import implicit_step, simulate_quantised
+    from controller.types import Settings
+    live, curve = Settings(4, 0), lambda b: 7.14 + 1.555 * b      # sim_accel's fit in the batched bench (r68)
+    server = simulate_quantised(95.0, 4, 1000, 32, curve, None, 4.0).mean_batch   # a batcher that waits ~1 ms
+    wait, steps = 0, []
+    for _ in range(5):
+        wait = implicit_step([(95.0, 1.0)], live, curve, 32, 4.0, server, None, wait)
+        steps.append(wait)
+    assert steps == [250, 500, 1000, 1000, 1000]
+    plain = simulate_quantised(95.0, 4, 0, 32, curve, None, 4.0).mean_batch      # batches as a 0-wait batcher's
+    wait, steps = 1000, []
+    for _ in range(4):
+        wait = implicit_step([(95.0, 1.0)], live, curve, 32, 4.0, plain, None, wait)
+        steps.append(wait)
+    assert steps == [500, 250, 0, 0]
+    # two loads in the window (a burst and a lull): their batches mix by their requests
+    assert implicit_step([(40.0, 0.3), (150.0, 0.7)], live, curve, 32, 4.0, 50.0, None, 2000) == 2000   # the top
+    assert implicit_step([(95.0, 1.0)], live, curve, 4, 4.0, 4.0) is None     # one request a batch: nothing to read
+    assert implicit_step([(0.0, 1.0)], live, curve, 32, 4.0, 4.0) is None
+    assert implicit_step([(95.0, 1.0)], live, curve, 32, 4.0, 0.0) is None

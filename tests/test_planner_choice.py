@@ -1095,3 +1095,15 @@ def test_requests_of_four_items_carry_a_quarter_of_the_rate_and_need_more_instan
     p = run(S(1), 120.0, inputs(1, 2, items=4.0), batch=6.0)
     assert p.usable and p.target is not None and p.target.instance_count >= 2, (p.reason, p.detail)
     assert p.live.mean_batch >= 4.0 and "batch" in p.detail
+
+
+def test_every_candidate_is_simulated_with_the_batchers_measured_wait_on_top_of_its_delay():
+    waits = ServiceModel.build(fits(1, 2), None, implicit_us=1000)
+    plain = ServiceModel.build(fits(1, 2), None)
+    for n, d in ((1, 0), (2, 0), (2, 2000)):
+        a = planner.predict(S(n, d), 200.0, waits, 32, 1.0, 40.0)
+        b = planner.predict(S(n, d + 1000), 200.0, plain, 32, 1.0, 40.0)
+        assert a.settings == S(n, d) and a.p99_ms == b.p99_ms and a.mean_batch == b.mean_batch
+    assert ServiceModel.build(fits(1), None, implicit_us=-5).implicit_us == 0
+    p = run(S(1), 100.0, dataclasses.replace(inputs(1, 2), implicit_us=500))
+    assert "batcher's own wait 500 us (measured)" in p.detail, p.detail
