@@ -56,7 +56,9 @@ WARMUP_EXECUTIONS = 50          # a span that began before the model's first thi
 JITTER_KEPT = 5                 # a configuration's jitter is the median of its last this-many windows' estimates
 JITTER_SPAN_S = 60.0            # a jitter estimate reads the traced times of up to this much of the live configuration
 IMPLICIT_KEPT = 5               # the batcher's implicit wait is the median of the last this-many windows' steps ...
-IMPLICIT_MIN_EXECUTIONS = 100   # ... each over at least this many executions
+IMPLICIT_MIN_EXECUTIONS = 100   # ... each over at least this many executions, ...
+IMPLICIT_EVERY_S = 5.0          # ... at most one step this often (each costs one or two simulations), ...
+IMPLICIT_BUSY_MAX = 0.8         # ... and only where the instances were busy less than this share of the window
 JITTER_CONFIGS = 32             # configurations whose jitter is remembered; the least recently seen goes first
 
 _Read = tuple[int, int, int, StatsCounters]   # one tick's statistics: (chain, executions, ns executing, themselves)
@@ -96,6 +98,7 @@ class ModelObserver:
         self.items_per_request = 1.0   # of the last window in which a request succeeded (Observation's field)
         self.implicit_us = 0           # the batcher's implicit wait (planner.implicit_step): the median of ...
         self._implicit: deque[int] = deque(maxlen=IMPLICIT_KEPT)     # ... the last windows' steps
+        self._implicit_at = -math.inf                                 # when the last step was taken
 
     # -- feeding -------------------------------------------------------------------------------
     def add_scrape(self, now: float, counters: ModelCounters | None, stats: StatsCounters | None,
@@ -184,7 +187,7 @@ class ModelObserver:
             fit = self.service.fit(live)
             jitter = self.jitter(live)
             if fit is not None:
-                self._note_implicit(obs, live, max(1, max_batch_size), fit, jitter)
+                self._note_implicit(now, obs, live, max(1, max_batch_size), fit, jitter)
             obs = dataclasses.replace(obs, service=fit, jitter=jitter, cold_start=self.service.cold_start(),
                                       predicted_p99_ms=None if fit is None else
                                       self._window_p99(obs, live, max(1, max_batch_size), fit, jitter))
@@ -231,12 +234,20 @@ class ModelObserver:
                                                                       self.forecast.tick_s) if share >= 0.005]
         return parts or [(obs.arrival_rps, 1.0)]
 
-    def _note_implicit(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None) -> None:
+    def _note_implicit(self, now: float, obs: Observation, live: Settings, max_batch: int, fit,
+                       jitter: Jitter | None) -> None:
         """One step of the batcher's implicit wait (planner.implicit_step) from this window's batches, where the
-        window holds IMPLICIT_MIN_EXECUTIONS executions past the model's warm-up; `implicit_us` the median of the last
-        IMPLICIT_KEPT steps (a window of clumped arrivals moves it one step, not to the top of the grid)."""
-        if obs.warming_up or obs.exec_rps * obs.span_s < IMPLICIT_MIN_EXECUTIONS:
+        window holds IMPLICIT_MIN_EXECUTIONS executions past the model's warm-up and the last step is IMPLICIT_EVERY_S
+        old; `implicit_us` the median of the last IMPLICIT_KEPT steps (a window of clumped arrivals moves it one
+        step, not to the top of the grid). Why not every tick: a step a tick raised the controller's CPU from
+        1.7% to 2.3% in the batched bench (r70), for a figure that changes over minutes. Why not where the instances
+        are busy (IMPLICIT_BUSY_MAX): there the queue forms the batches, and where a busy device holds the instances
+        (host_heavy r70, 3 instances 97-99% busy, the device the limit) its larger batches read as a 2,000-us wait
+        that `predict`'s self-batching already accounts for; the wait shows where instances wait for work."""
+        if obs.warming_up or obs.exec_rps * obs.span_s < IMPLICIT_MIN_EXECUTIONS or now - self._implicit_at < \
+                IMPLICIT_EVERY_S or obs.busy_fraction >= IMPLICIT_BUSY_MAX:
             return
+        self._implicit_at = now
         step = implicit_step(self._window_parts(obs), live, fit.predict_ms, max_batch, self.items_per_request,
                              obs.avg_batch_size, jitter, self._implicit[-1] if self._implicit else 0)
         if step is None:

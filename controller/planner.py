@@ -646,8 +646,9 @@ def implicit_step(parts: Sequence[tuple[float, float]], live: Settings, curve: C
     instance that is free: the wait on IMPLICIT_GRID_US, added to the live delay, at which the simulation of the live
     configuration forms batches as large as the server did over the window (`observed_batch`: items an execution, the
     window's avg_batch_size). From `current` it moves one grid step a window: up where the simulation's batches at
-    `current` fall short of the observed ones (by more than IMPLICIT_TOLERANCE), down where the next wait down
-    already forms them, else it stays; so a tick simulates once or twice. `parts`: the window's loads (rate, share of
+    `current` fall short of the observed ones (by more than IMPLICIT_TOLERANCE), down where they exceed them by as
+    much and the next wait down already forms them, else it stays; so a step simulates once, twice where it may
+    go down. `parts`: the window's loads (rate, share of
     its requests: `rate_components`); their batches mix as the requests' share over each load's mean batch. None
     where nothing can be read: no load, or batches that hold one request only (no wait makes them larger).
 
@@ -680,7 +681,7 @@ def implicit_step(parts: Sequence[tuple[float, float]], live: Settings, curve: C
         return None
     if here < enough:
         return grid[min(i + 1, len(grid) - 1)]
-    if i > 0:
+    if i > 0 and here > observed_batch * (1.0 + IMPLICIT_TOLERANCE):
         below = batch_at(grid[i - 1])
         if below is None:
             return None

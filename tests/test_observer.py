@@ -167,3 +167,31 @@ def test_a_span_from_the_models_first_executions_is_warming_up():
     reload = lambda t: _since_load(10 * t) if t < 12 else _since_load(10 * (t - 12))   # noqa: E731
     assert _observe_at(18.0, reload, change_at=12).warming_up
     assert not _observe_at(30.0, reload, change_at=12).warming_up
+
+
+def test_the_batchers_own_wait_steps_at_most_every_five_seconds_and_is_the_median_of_the_last_steps():
+    """observer._note_implicit: a step of planner.implicit_step once IMPLICIT_EVERY_S, over windows of enough
+    executions; the wait the planner uses is the median of the last IMPLICIT_KEPT steps."""
+    from types import SimpleNamespace
+
+    from controller.planner import simulate_quantised
+
+    fit = SimpleNamespace(predict_ms=lambda b: 7.14 + 1.555 * b)
+    live = Settings(4, 0)
+    server = simulate_quantised(95.0, 4, 1000, 32, fit.predict_ms, None, 4.0).mean_batch   # a batcher waiting ~1 ms
+    window = SimpleNamespace(warming_up=False, exec_rps=90.0, span_s=10.0, since=0.0, arrival_rps=95.0,
+                             avg_batch_size=server, busy_fraction=0.3)
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    o.items_per_request = 4.0
+    for t in range(30):                                     # a tick a second: steps at 0, 5, ..., 25 s
+        o._note_implicit(float(t), window, live, 32, fit, None)
+    assert list(o._implicit) == [500, 1000, 1000, 1000, 1000] and o.implicit_us == 1000
+    assert o.plan_inputs(32, 1.0).implicit_us == 1000
+    few = ModelObserver("m", window_s=10.0, settle_s=0.0)   # 50 executions in the window: nothing read
+    few.items_per_request = 4.0
+    few._note_implicit(0.0, SimpleNamespace(**{**vars(window), "exec_rps": 5.0}), live, 32, fit, None)
+    assert not few._implicit and few.implicit_us == 0
+    busy = ModelObserver("m", window_s=10.0, settle_s=0.0)  # instances busy 90%: the queue forms the batches
+    busy.items_per_request = 4.0
+    busy._note_implicit(0.0, SimpleNamespace(**{**vars(window), "busy_fraction": 0.9}), live, 32, fit, None)
+    assert not busy._implicit and busy.implicit_us == 0
