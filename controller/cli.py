@@ -214,7 +214,7 @@ def _add_input_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _input_spec(args):
-    """The InputSpec of --shape/--input-data, or None where neither was given; UsageError for a bad one."""
+    """The InputSpec of --shape/--input-data/--batch-size, or None where none was given; UsageError for a bad one."""
     from .evaluation.inputs import InputSpecError, make_spec
     try:
         return make_spec(args.shape, args.input_data, args.batch_size)

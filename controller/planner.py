@@ -647,10 +647,10 @@ def implicit_step(parts: Sequence[tuple[float, float]], live: Settings, curve: C
     configuration forms batches as large as the server did over the window (`observed_batch`: items an execution, the
     window's avg_batch_size). From `current` it moves one grid step a window: up where the simulation's batches at
     `current` fall short of the observed ones (by more than IMPLICIT_TOLERANCE), down where they exceed them by as
-    much and the next wait down already forms them, else it stays; so a step simulates once, twice where it may
-    go down. `parts`: the window's loads (rate, share of
-    its requests: `rate_components`); their batches mix as the requests' share over each load's mean batch. None
-    where nothing can be read: no load, or batches that hold one request only (no wait makes them larger).
+    much and the next wait down already forms them, else it stays; so a step simulates once, twice where it may go
+    down. `parts`: the window's loads (rate, share of its requests: `rate_components`); their batches mix as the
+    requests' share over each load's mean batch. None where nothing can be read: no load, or batches that hold one
+    request only (no wait makes them larger).
 
     Why: the simulation's batcher takes a batch the instant an instance is free, so with instances to spare every
     request runs alone; the server formed larger ones. sim_accel, 4 instances, 95 req/s of 4 items (batched r68):
