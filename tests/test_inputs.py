@@ -185,7 +185,7 @@ def test_make_spec_and_describe(tmp_path):
 def test_batch_size_stacks_items_and_is_refused_where_the_model_cannot_take_it():
     sets = input_sets(TOKENS, InputSpec(shapes={"TOKENS": (5,), "MASK": (5,)}, batch_size=3))
     assert [a.shape for a in sets[0].values()] == [(3, 5), (3, 5)]
-    with pytest.raises(InputSpecError, match="^--batch-size 5: model 'tokens' takes at most 4 items a request$"):
+    with pytest.raises(InputSpecError, match="^--batch-size 5: model 'tokens' takes at most 4 per request$"):
         input_sets(TOKENS, InputSpec(batch_size=5))
     with pytest.raises(InputSpecError, match="^--batch-size 2: model 'tokens' takes no batch dimension$"):
         input_sets({**TOKENS, "max_batch_size": 0}, InputSpec(batch_size=2))

@@ -260,7 +260,7 @@ def input_sets(config: Mapping[str, Any], spec: InputSpec | None = None, *, seed
     max_batch = int(config.get("max_batch_size", 0) or 0)
     if batch_size > 1 and batch_size > max_batch:
         raise InputSpecError(f"--batch-size {batch_size}: model {config.get('name', '?')!r} takes "
-                             + (f"at most {max_batch} items a request" if max_batch else "no batch dimension"))
+                             + (f"at most {max_batch} per request" if max_batch else "no batch dimension"))
     batched = max_batch > 0
     if spec.data is None:
         rng = np.random.default_rng(seed)

@@ -289,11 +289,7 @@ def _run_load(opts: LoadOptions, trace: loadgen.Trace, out: Callable[[str], None
     why = unsupported(config)
     if why:
         raise LoadError(f"model {opts.model!r} {why}")
-    max_batch = int(config.get("max_batch_size", 0) or 0)
-    if opts.batch_size > 1 and opts.batch_size > max_batch:
-        raise LoadInputError(f"--batch-size {opts.batch_size}: model {opts.model!r} takes "
-                             + (f"at most {max_batch} per request" if max_batch else "no batch dimension"))
-    try:
+    try:        # a --batch-size the model cannot take is refused here too (inputs.input_sets)
         make_inputs = loadgen.inputs_from_config(config, opts.seed, opts.batch_size, spec=opts.inputs)
     except InputSpecError as e:
         raise LoadInputError(str(e)) from None
