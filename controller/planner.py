@@ -590,6 +590,13 @@ JITTER_GRID = 1.05           # jitter quantiles are simulated on a 5% grid: the 
                              # enters its median), and on the 1% grid every tick would simulate every candidate anew
 
 
+def _in_requests(max_batch: int, items: float) -> tuple[float, int]:
+    """(the items a request carries, on the ITEMS_STEP grid and at least 1; the requests a full batch of `max_batch`
+    items holds, at least 1). Example: 32 and 4.0 -> (4.0, 8); 16 and 5.02 -> (5.0, 3)."""
+    k = max(1.0, round(round(items / ITEMS_STEP) * ITEMS_STEP, 2)) if math.isfinite(items) else 1.0
+    return k, max(1, int(max(1, int(max_batch)) / k + 1e-9))
+
+
 def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
                        service_ms: Callable[[int], float], jitter: "Jitter | None" = None,
                        items: float = 1.0) -> Prediction | None:
@@ -608,8 +615,7 @@ def simulate_quantised(arrival_rps: float, instances: int, delay_us: int, max_ba
     grid of 0.05 items (ITEMS_STEP: whole numbers stay whole). Why: simulated as one item each, clients that sent 4
     items a request were predicted a p99 of 23 ms at 32 req/s where 65 ms was observed, and the planner stood aside
     for the reactive rules."""
-    k = max(1.0, round(round(items / ITEMS_STEP) * ITEMS_STEP, 2)) if math.isfinite(items) else 1.0
-    mb = max(1, int(max(1, int(max_batch)) / k + 1e-9))
+    k, mb = _in_requests(max_batch, items)
     points = sorted({1, mb} | {2 ** j for j in range(1, 16) if 2 ** j < mb})
     values = tuple(_q(max(0.0, float(service_ms(b * k)))) for b in points)
     jq = () if jitter is None else tuple(_q(x, JITTER_GRID) for x in jitter.quantiles)
@@ -661,9 +667,9 @@ def implicit_step(parts: Sequence[tuple[float, float]], live: Settings, curve: C
     late on a busy host, requests arriving in clumps), it is measured where it shows, in the batches.
     Example: observed 4.29 items an execution at 4 instances, 95 req/s of 4 items: 0 us simulates 4.01, 250 us 4.14,
     500 us 4.20, 1,000 us 4.32 >= 4.29 x 0.98; from 0 the steps go 250, 500, 1,000 and stay there."""
-    k = max(1.0, items) if math.isfinite(items) else 1.0
+    k, full = _in_requests(max_batch, items)
     parts = [(r, w) for r, w in parts if r > 0 and w > 0]
-    if not parts or not observed_batch > 0 or int(max(1, max_batch) / k + 1e-9) < 2:
+    if not parts or not observed_batch > 0 or full < 2:
         return None
 
     def batch_at(wait: int) -> float | None:
