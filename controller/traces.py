@@ -116,14 +116,14 @@ class _Trace:
         self.first: dict[str, int | float] = {}
         self.last: dict[str, int | float] = {}
 
-    def add_record(self, record: Mapping[str, Any]) -> None:
+    def add_record(self, record: dict[str, Any]) -> None:
         name = record.get("model_name")
         if isinstance(name, str) and name:
             self.model = name
             self.parent_id = _trace_id(record.get("parent_id"))
         stamps = record.get("timestamps")
         for stamp in stamps if isinstance(stamps, list) else []:
-            if not isinstance(stamp, Mapping) or not isinstance(stamp.get("name"), str):
+            if not isinstance(stamp, dict) or not isinstance(stamp.get("name"), str):
                 continue
             ns = _ns(stamp.get("ns"))
             if ns is None:
@@ -169,8 +169,8 @@ def _parse(text: str | bytes) -> list[TraceSample] | None:
         return None
     traces: dict[int, _Trace] = {}
     for record in records:
-        if not isinstance(record, Mapping):
-            continue
+        if not isinstance(record, dict):     # why dict, not Mapping: JSON gives dicts, and the ABC check
+            continue                         # cost a tenth of the tick's parsing
         trace_id = _trace_id(record.get("id"))
         if trace_id is not None:
             traces.setdefault(trace_id, _Trace()).add_record(record)
