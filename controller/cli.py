@@ -546,14 +546,14 @@ def _with_local_repository(cfg: ControllerConfig) -> ControllerConfig:
     tritonserver process was given (server.served_repository), said in one line. With it the controller holds a
     reload that would change the versions served, and reads which models a BLS model calls in its source (README,
     "With your own server")."""
-    from .evaluation.loadgen import _is_loopback_host
+    from .telemetry import is_loopback_host
     from .server import served_repository
     if cfg.server.repository:
         return cfg
     host, _, port = cfg.server.http_url.rpartition(":")
     host = host.split("://")[-1].strip("[]")
-    # why: the load generator's loopback check (127.0.0.0/8, localhost, ::1); 0.0.0.0 as a client address is local too
-    if not (host == "0.0.0.0" or _is_loopback_host(host)) or not port.isdigit():
+    # why: the loopback check (127.0.0.0/8, localhost, ::1); 0.0.0.0 as a client address is local too
+    if not (host == "0.0.0.0" or is_loopback_host(host)) or not port.isdigit():
         return cfg
     path, why = served_repository(int(port))
     if path is None:

@@ -29,13 +29,19 @@ CAPACITY_PREFIX = "triton_autotune"   # the project's prefix for the fleet scale
 log = logging.getLogger("controller.telemetry")
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
+def is_loopback_host(host: str) -> bool:
+    """True for this machine's own addresses: localhost (any case, a trailing dot), 127.0.0.0/8, ::1 and ::1's IPv4
+    mapping (::ffff:127.0.0.1). Used by this endpoint's bind check, the load generator's target check and `run`'s
+    search for the local server's repository."""
+    if host.lower().rstrip(".") == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        addr = ipaddress.ip_address(host)
     except ValueError:
         return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
 
 
 class Endpoint:
@@ -44,7 +50,7 @@ class Endpoint:
 
     def __init__(self, registry: CollectorRegistry, status: Callable[[], dict] | None, port: int = 0,
                  host: str = "127.0.0.1", allow_remote: bool = False):
-        if not allow_remote and not _is_loopback(host):
+        if not allow_remote and not is_loopback_host(host):
             raise ValueError(f"the controller's endpoint stays on loopback; refusing to bind {host}")
         registry_, status_ = registry, status
 

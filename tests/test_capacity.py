@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from controller.capacity import HEADROOM_MAX, SATURATED_MAX, pod_utilization, utilization
 from controller.config import ConfigError, LoopConfig, ModelLimits, parse_config
 from controller.policy import PerfPoint, PolicyState, decide, instance_ceiling
-from controller.telemetry import ControllerMetrics
+from controller.telemetry import ControllerMetrics, is_loopback_host
 from controller.types import Cap, GpuObservation, Observation, Settings
 
 T = 100.0
@@ -174,6 +174,14 @@ def test_metrics_address_is_validated_and_binds_where_told():
             assert r.status == 200
     finally:
         ep.close()
+
+
+@pytest.mark.parametrize("host, local", [
+    ("127.0.0.1", True), ("127.8.0.1", True), ("localhost", True), ("LOCALHOST.", True), ("::1", True),
+    ("::ffff:127.0.0.1", True), ("0.0.0.0", False), ("10.0.0.1", False), ("::ffff:10.0.0.1", False),
+    ("pod-ip", False), ("", False)])
+def test_one_loopback_check_for_the_endpoint_the_load_generator_and_run(host, local):
+    assert is_loopback_host(host) is local
 
 
 # ---- in the loop: /metrics and status_snapshot ---------------------------------------------------------

@@ -36,7 +36,6 @@ import bisect
 import contextlib
 import dataclasses
 import gc
-import ipaddress
 import json
 import math
 import threading
@@ -49,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from ..telemetry import is_loopback_host
 from .inputs import InputSpec, input_sets
 
 __all__ = [
@@ -425,22 +425,10 @@ def require_loopback(url: str) -> str:
         raise ValueError(f"target {url!r}: expected plain 'host:port'")
     if not host or port is None:
         raise ValueError(f"target {url!r}: expected 'host:port' with an explicit port")
-    if not _is_loopback_host(host):
+    if not is_loopback_host(host):
         raise ValueError(f"refusing to send load to {host!r}: this load generator only targets the local "
                          "machine (127.0.0.0/8, localhost, ::1)")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _is_loopback_host(host: str) -> bool:
-    if host.lower().rstrip(".") == "localhost":
-        return True
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped.is_loopback
-    return addr.is_loopback
 
 
 def _validated_schedule(schedule_s: Sequence[float] | np.ndarray) -> np.ndarray:
