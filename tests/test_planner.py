@@ -19,6 +19,27 @@ def test_docstring_example_one_and_two_instances():
     assert two.p99_ms < one.p99_ms and two.mean_batch < one.mean_batch and two.busy < one.busy
 
 
+def test_the_simulation_asks_the_curve_once_per_batch_size_and_gives_the_numbers_it_gave_before():
+    # why: the controller's CPU is mostly these simulations; the loop works on plain floats and asks the curve once
+    # for each batch size it forms. The pinned numbers are those of the loop before that change (059074c's parent),
+    # so that a faster loop that simulates something else fails here.
+    asked: list[int] = []
+
+    def curve(b: int) -> float:
+        asked.append(b)
+        return SIM(b)
+
+    jitter = tuple(0.6 + 0.1 * i for i in range(16))          # one quantile per COMPUTE_PROBS point
+    plain = simulate(300, 2, 1000, 8, curve, requests=1000)
+    assert len(asked) == len(set(asked)) and 1 < len(asked) <= 8
+    jittered = simulate(300, 2, 1000, 8, SIM, requests=1000, jitter=jitter)
+    assert plain.p99_ms == pytest.approx(19.850019542783315, rel=1e-12)
+    assert plain.mean_batch == pytest.approx(1.5923566878980893, rel=1e-12)
+    assert jittered.p99_ms == pytest.approx(25.27984883242762, rel=1e-12)
+    assert jittered.mean_batch == pytest.approx(1.7035775127768313, rel=1e-12)
+    assert jittered.busy == pytest.approx(0.8035580435215206, rel=1e-12)
+
+
 def test_light_load_is_one_request_per_batch_at_about_the_service_time():
     p = simulate(2, 1, 0, 8, SIM)
     assert p.mean_batch == pytest.approx(1.0, abs=0.02) and p.mean_ms == pytest.approx(7.5, abs=0.3)
