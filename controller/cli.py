@@ -759,8 +759,7 @@ def cmd_load(args) -> int:
             raise UsageError("load: --model is required")
     opts = LoadOptions(model=model, url=url, protocol=args.protocol, rate_rps=args.rate, seconds=args.seconds,
                        trace=args.trace, every_s=args.every, timeout_s=args.timeout_s, seed=args.seed,
-                       sla_ms=args.sla_ms, json_out=args.json, batch_size=args.batch_size,
-                       inputs=_input_spec(args))
+                       sla_ms=args.sla_ms, json_out=args.json, inputs=_input_spec(args))
     try:
         doc, stopped = run_load(opts, out=flush_print)
     except LoadInputError as e:

@@ -63,8 +63,12 @@ class LoadOptions:
     seed: int = 0
     sla_ms: float | None = None
     json_out: Path | None = None
-    batch_size: int = 1
-    inputs: InputSpec | None = None        # --shape / --input-data
+    inputs: InputSpec | None = None        # --shape / --input-data / --batch-size
+
+    @property
+    def batch_size(self) -> int:
+        """Items a request carries (--batch-size, in the input spec); 1 without one."""
+        return 1 if self.inputs is None else self.inputs.batch_size
 
 
 def build_trace(opts: LoadOptions) -> loadgen.Trace:
@@ -290,7 +294,7 @@ def _run_load(opts: LoadOptions, trace: loadgen.Trace, out: Callable[[str], None
     if why:
         raise LoadError(f"model {opts.model!r} {why}")
     try:        # a --batch-size the model cannot take is refused here too (inputs.input_sets)
-        make_inputs = loadgen.inputs_from_config(config, opts.seed, opts.batch_size, spec=opts.inputs)
+        make_inputs = loadgen.inputs_from_config(config, opts.seed, spec=opts.inputs)
     except InputSpecError as e:
         raise LoadInputError(str(e)) from None
     except (ValueError, KeyError, TypeError) as e:
