@@ -30,8 +30,8 @@ log = logging.getLogger("controller.telemetry")
 
 
 def is_loopback_host(host: str) -> bool:
-    """True for this machine's own addresses: localhost (any case, a trailing dot), 127.0.0.0/8, ::1 and ::1's IPv4
-    mapping (::ffff:127.0.0.1). Used by this endpoint's bind check, the load generator's target check and `run`'s
+    """True for this machine's own addresses: localhost (any case, a trailing dot), 127.0.0.0/8 (also written as IPv6,
+    ::ffff:127.0.0.1) and ::1. Used by this endpoint's bind check, the load generator's target check and `run`'s
     search for the local server's repository."""
     if host.lower().rstrip(".") == "localhost":
         return True

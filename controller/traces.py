@@ -169,8 +169,8 @@ def _parse(text: str | bytes) -> list[TraceSample] | None:
         return None
     traces: dict[int, _Trace] = {}
     for record in records:
-        if not isinstance(record, dict):     # why dict, not Mapping: JSON gives dicts, and the ABC check
-            continue                         # cost a tenth of the tick's parsing
+        if not isinstance(record, dict):     # why dict, not Mapping: JSON gives dicts, and the ABC's check on
+            continue                         # every record and stamp showed in a profile of the tick
         trace_id = _trace_id(record.get("id"))
         if trace_id is not None:
             traces.setdefault(trace_id, _Trace()).add_record(record)

@@ -22,7 +22,7 @@ def test_docstring_example_one_and_two_instances():
 def test_the_simulation_asks_the_curve_once_per_batch_size_and_gives_the_numbers_it_gave_before():
     # why: the controller's CPU is mostly these simulations; the loop works on plain floats and asks the curve once
     # for each batch size it forms. The pinned numbers are those of the loop before that change (059074c's parent),
-    # so that a faster loop that simulates something else fails here.
+    # so that a faster loop that simulates something else fails here (the arrivals are numpy's default_rng stream).
     asked: list[int] = []
 
     def curve(b: int) -> float:
