@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -62,8 +63,19 @@ models:
   sim_a: {phases: [{name: a1, duration_s: 4, rate_rps: 60}, {name: a2, duration_s: 4, rate_rps: 10}]}
   sim_b: {phases: [{name: b1, duration_s: 4, rate_rps: 10}, {name: b2, duration_s: 4, rate_rps: 60}]}
 """)
-    summary = bench_multi(scenario, tmp_path / "out")
-    on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
+    out = tmp_path / "out"
+    summary = bench_multi(scenario, out)
+    died = {name: arm["server_restarts"] for name, arm in summary["arms"].items() if arm.get("server_restarts")}
+    if died:
+        # why: tritonserver 2.51 itself can die under in-place instance updates (CI, 2026-12-07: SIGSEGV in
+        # __libc_free under TRITONSERVER_ServerInferAsync in the adaptive arm; the bench started it again and 155
+        # requests failed while it was down; upstream server#7723). As in test_two_pods: nothing about the arms can
+        # be judged from a run whose server died; run it once more, and fail if a server dies again.
+        warnings.warn(f"tritonserver died during the tiny two-model bench ({died}); running it again")
+        out = tmp_path / "out2"
+        summary = bench_multi(scenario, out)
+        assert not any(arm.get("server_restarts") for arm in summary["arms"].values()), summary["arms"]
+    on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["ratios"] == summary["ratios"]
     assert set(summary["arms"]) == {"static_1+2", "static_2+1", "adaptive"}
     for arm in summary["arms"].values():
@@ -85,4 +97,4 @@ models:
         a["goodput_rps"] for a in summary["arms"].values()) / summary["arms"][summary["best_static"]]["goodput_rps"]
     assert "the most any arm can reach" in format_summary(summary)
     assert "sim_b: server ms per execution of 1 (per phase):" in format_summary(summary)
-    assert (tmp_path / "out" / "timeline.png").stat().st_size > 10_000
+    assert (out / "timeline.png").stat().st_size > 10_000
