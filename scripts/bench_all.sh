@@ -24,6 +24,8 @@
 #                  scripts/scenarios/repos/per_item), SLA 40 ms, 4 instances at most (not in the default set)
 #   batched        the shift day sent in requests of 4 items (--batch-size 4) at a quarter of its rates, SLA 40 ms
 #                  (not in the default set)
+#   resnet_shift   the shift day and SLA on resnet_tiny, the shipped torch model (on the CPU where there is no GPU:
+#                  the load generator shares its cores), 4 instances at most (not in the default set)
 # SCENARIOS="shift bursty" runs a subset; MODEL_ANALYZER=FILE overrides docs/bench/model_analyzer_shift.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +68,8 @@ for s in $SCENARIOS; do
         two_peaks)     run two_peaks 25 scripts/scenarios/repos/wide sim_wide 1,2,3,4 0,2000 4 ;;
         lunch)         run lunch 40 scripts/scenarios/repos/per_item sim_item 1,2,3,4 0,4000 4 ;;
         batched)       INPUT_ARGS="--batch-size 4" run batched 40 $SIM sim_accel 1,2,4,6 0,2000 8 ;;
-        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts cold_start two_peaks lunch batched)" >&2; exit 2 ;;
+        resnet_shift)  TRAFFIC=shift run resnet_shift 40 $SIM resnet_tiny 1,2,3,4 0,2000 4 ;;
+        *) echo "unknown scenario '$s' (known: shift shift_tight bursty delay_matters heavy_day host_heavy timer_bursts cold_start two_peaks lunch batched resnet_shift)" >&2; exit 2 ;;
     esac
 done
 summaries=()
