@@ -186,11 +186,12 @@ class ModelObserver:
             self._add_jitter(now, live, obs.since + obs.span_s, ends[1])
             fit = self.service.fit(live)
             jitter = self.jitter(live)
+            parts = self._window_parts(obs) if fit is not None else []   # once a tick, for both uses
             if fit is not None:
-                self._note_implicit(now, obs, live, max(1, max_batch_size), fit, jitter)
+                self._note_implicit(now, obs, live, max(1, max_batch_size), fit, jitter, parts)
             obs = dataclasses.replace(obs, service=fit, jitter=jitter, cold_start=self.service.cold_start(),
                                       predicted_p99_ms=None if fit is None else
-                                      self._window_p99(obs, live, max(1, max_batch_size), fit, jitter))
+                                      self._window_p99(obs, live, max(1, max_batch_size), fit, jitter, parts))
         self.last = obs
         return obs
 
@@ -235,7 +236,7 @@ class ModelObserver:
         return parts or [(obs.arrival_rps, 1.0)]
 
     def _note_implicit(self, now: float, obs: Observation, live: Settings, max_batch: int, fit,
-                       jitter: Jitter | None) -> None:
+                       jitter: Jitter | None, parts: list[tuple[float, float]]) -> None:
         """One step of the batcher's implicit wait (planner.implicit_step) from this window's batches, where the
         window holds IMPLICIT_MIN_EXECUTIONS executions past the model's warm-up and the last step is IMPLICIT_EVERY_S
         old; `implicit_us` the median of the last IMPLICIT_KEPT steps (a window of clumped arrivals moves it one
@@ -248,27 +249,28 @@ class ModelObserver:
                 IMPLICIT_EVERY_S or obs.busy_fraction >= IMPLICIT_BUSY_MAX:
             return
         self._implicit_at = now
-        step = implicit_step(self._window_parts(obs), live, fit.predict_ms, max_batch, self.items_per_request,
+        step = implicit_step(parts, live, fit.predict_ms, max_batch, self.items_per_request,
                              obs.avg_batch_size, jitter, self._implicit[-1] if self._implicit else 0)
         if step is None:
             return
         self._implicit.append(step)
         self.implicit_us = sorted(self._implicit)[len(self._implicit) // 2]
 
-    def _window_p99(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None = None) -> float | None:
+    def _window_p99(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None,
+                    parts: list[tuple[float, float]]) -> float | None:
         """The live configuration's predicted p99 over the window, for the planner's check of itself against
         the traced one: one simulation per load the window's ticks held (`rate_components`: one under a
         steady load or a ramp, two under on/off bursts), their tails mixed by their requests (`mixture_p99`),
         so that the bursts' queueing is predicted rather than read as model error, and a window that holds
         one more or one less burst tick moves the prediction a little, not from the lull's p99 to the burst's."""
         delay_us = live.max_queue_delay_us + self.implicit_us      # as the planner simulates it (planner.predict)
-        parts = [(simulate_quantised(rate, live.instance_count, delay_us, max_batch, fit.predict_ms, jitter,
-                                     self.items_per_request), share) for rate, share in self._window_parts(obs)]
-        if any(p is None for p, _ in parts):
+        sims = [(simulate_quantised(rate, live.instance_count, delay_us, max_batch, fit.predict_ms, jitter,
+                                     self.items_per_request), share) for rate, share in parts]
+        if any(p is None for p, _ in sims):
             single = simulate_quantised(obs.arrival_rps, live.instance_count, delay_us, max_batch, fit.predict_ms,
                                         jitter, self.items_per_request)
             return None if single is None else single.p99_ms
-        return mixture_p99(parts)
+        return mixture_p99(sims)
 
     def _executed_at(self, t: float) -> _Read | None:
         """(chain, executions, ns executing, the statistics) read at the tick of time t, or None."""

@@ -64,7 +64,7 @@ def test_the_window_p99_mixes_bursts_and_lulls_and_moves_little_with_one_burst_t
             f = f.update(float(t), r)
         o.forecast = f
         obs = SimpleNamespace(since=-0.5, arrival_rps=sum(rates) / len(rates))
-        return o._window_p99(obs, LIVE, 8, fit)
+        return o._window_p99(obs, LIVE, 8, fit, None, o._window_parts(obs))
 
     lull, burst = simulate_quantised(100.0, 1, 0, 8, fit.predict_ms).p99_ms, simulate_quantised(
         378.0, 1, 0, 8, fit.predict_ms).p99_ms
@@ -184,14 +184,15 @@ def test_the_batchers_own_wait_steps_at_most_every_five_seconds_and_is_the_media
     o = ModelObserver("m", window_s=10.0, settle_s=0.0)
     o.items_per_request = 4.0
     for t in range(30):                                     # a tick a second: steps at 0, 5, ..., 25 s
-        o._note_implicit(float(t), window, live, 32, fit, None)
+        o._note_implicit(float(t), window, live, 32, fit, None, [(95.0, 1.0)])
     assert list(o._implicit) == [500, 1000, 1000, 1000, 1000] and o.implicit_us == 1000
     assert o.plan_inputs(32, 1.0).implicit_us == 1000
     few = ModelObserver("m", window_s=10.0, settle_s=0.0)   # 50 executions in the window: nothing read
     few.items_per_request = 4.0
-    few._note_implicit(0.0, SimpleNamespace(**{**vars(window), "exec_rps": 5.0}), live, 32, fit, None)
+    few._note_implicit(0.0, SimpleNamespace(**{**vars(window), "exec_rps": 5.0}), live, 32, fit, None, [(95.0, 1.0)])
     assert not few._implicit and few.implicit_us == 0
     busy = ModelObserver("m", window_s=10.0, settle_s=0.0)  # instances busy 90%: the queue forms the batches
     busy.items_per_request = 4.0
-    busy._note_implicit(0.0, SimpleNamespace(**{**vars(window), "busy_fraction": 0.9}), live, 32, fit, None)
+    busy._note_implicit(0.0, SimpleNamespace(**{**vars(window), "busy_fraction": 0.9}), live, 32, fit, None,
+                        [(95.0, 1.0)])
     assert not busy._implicit and busy.implicit_us == 0

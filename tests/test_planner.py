@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from controller.planner import simulate
+from controller.traces import COMPUTE_PROBS
 
 SIM = lambda b: 6.0 + 1.5 * b  # noqa: E731  sim_accel's cost per execution with one instance (config.pbtxt)
 
@@ -29,7 +30,7 @@ def test_the_simulation_asks_the_curve_once_per_batch_size_and_gives_the_numbers
         asked.append(b)
         return SIM(b)
 
-    jitter = tuple(0.6 + 0.1 * i for i in range(16))          # one quantile per COMPUTE_PROBS point
+    jitter = tuple(0.6 + 0.1 * i for i in range(len(COMPUTE_PROBS)))     # one quantile per point
     plain = simulate(300, 2, 1000, 8, curve, requests=1000)
     assert len(asked) == len(set(asked)) and 1 < len(asked) <= 8
     jittered = simulate(300, 2, 1000, 8, SIM, requests=1000, jitter=jitter)
