@@ -113,21 +113,34 @@ class _FeedOnce:
         pass
 
 
+def _controller(names, targets, feed, *, configs=None, python=False, repository=None, scraped=None):
+    """A loop over FakeControl's `names` (their configs updated by `configs`; every backend "python" if asked),
+    `targets` the named models' p99 targets (1,000 ms by default), `feed` the traces, the server's repository
+    readable at `repository` if given, and the metrics of `scraped` (default: every model). (ctl, control, clock)."""
+    from controller.config import ControllerConfig, ModelLimits, ServerConfig
+    from controller.loop import Controller
+    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper
+    clock = Clock()
+    control = FakeControl(list(names))
+    control.configs.update(configs or {})
+    if python:
+        for c in control.configs.values():
+            c["backend"] = "python"
+    cfg = ControllerConfig(server=ServerConfig(repository=repository), loop=LOOP,
+                           defaults=ModelLimits(p99_target_ms=1000.0),
+                           models={m: ModelLimits(p99_target_ms=ms) for m, ms in targets.items()})
+    fakes = {m: FakeModel(20, 5, 4) for m in (names if scraped is None else scraped)}
+    return Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=feed), control, clock
+
+
 def _bls_plain_controller():
     """Only `bls` (60 ms) and `ens` (an ensemble of `net`, 40 ms) named; the traces show bls calling plain and ens
     its step; 4 ticks run."""
-    from controller.config import ControllerConfig, ModelLimits, ServerConfig
-    from controller.loop import Controller
     from test_ensemble import ENS
-    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, model_config, run_ticks
-    clock = Clock()
-    control = FakeControl(["bls", "plain", "ens", "net"])
-    control.configs.update(ens=ENS, net=model_config("net"))
-    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=ModelLimits(p99_target_ms=1000.0),
-                           models={"bls": ModelLimits(p99_target_ms=60.0), "ens": ModelLimits(p99_target_ms=40.0)})
-    fakes = {m: FakeModel(20, 5, 4) for m in ("bls", "plain", "ens", "net")}
-    feed = _FeedOnce([s(1, "bls"), s(2, "plain", 1), s(3, "ens"), s(4, "net", 3)])
-    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=feed)
+    from test_loop_ticks import model_config, run_ticks
+    ctl, _, clock = _controller(("bls", "plain", "ens", "net"), {"bls": 60.0, "ens": 40.0},
+                                _FeedOnce([s(1, "bls"), s(2, "plain", 1), s(3, "ens"), s(4, "net", 3)]),
+                                configs={"ens": ENS, "net": model_config("net")})
     run_ticks(ctl, clock, 4)
     return ctl, clock
 
@@ -158,19 +171,12 @@ def test_the_loop_passes_a_callers_target_to_its_callee_and_leaves_ensembles_to_
 def test_a_callee_that_is_an_ensemble_takes_its_callers_target_and_passes_it_to_its_step():
     """bls calls the ensemble ens (ens -> net); bls is named with 60 ms, ens with its own 500 ms: ens runs under
     60 ms from bls, and its step net under ens's, where both would run under 500 ms without the call."""
-    from controller.config import ControllerConfig, ModelLimits, ServerConfig
-    from controller.loop import Controller
     from test_ensemble import ENS
-    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, model_config, run_ticks
-    clock = Clock()
-    control = FakeControl(["bls", "ens", "net"])
-    control.configs.update(ens=ENS, net=model_config("net"))
-    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=ModelLimits(p99_target_ms=1000.0),
-                           models={"bls": ModelLimits(p99_target_ms=60.0), "ens": ModelLimits(p99_target_ms=500.0)})
-    fakes = {m: FakeModel(20, 5, 4) for m in ("bls", "ens", "net")}
+    from test_loop_ticks import model_config, run_ticks
     # the calls are seen once every model's kind is known (the first traces come after the first ticks)
     feed = _FeedOnce([s(1, "bls"), s(2, "ens", 1), s(3, "net", 2)], after=2)
-    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=feed)
+    ctl, control, clock = _controller(("bls", "ens", "net"), {"bls": 60.0, "ens": 500.0}, feed,
+                                      configs={"ens": ENS, "net": model_config("net")})
     try:
         run_ticks(ctl, clock, 6)
         assert ctl.calls.edges() == (("bls", "ens"), ("ens", "net"))
@@ -395,25 +401,17 @@ def test_an_edge_named_in_the_source_counts_one_call_until_the_traces_measure_it
 def test_the_loop_passes_a_callers_target_to_a_callee_its_source_names_and_status_says_how_it_knows(tmp_path):
     """No trace shows the call (the caller does not pass its trace on); the repository is readable here: bls's
     model.py names plain, so plain runs under bls's target, and status says where that came from and what to do."""
-    from controller.config import ControllerConfig, ModelLimits, ServerConfig
-    from controller.loop import Controller
     from controller.status import format_model
-    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, run_ticks
+    from test_loop_ticks import model_config, run_ticks
     by_param = BLS_SOURCE.replace('CALLEE = "plain"', 'CALLEE = PARAMS["downstream"]["string_value"]')
     for name, code in (("bls", BLS_SOURCE), ("plain", "x = 1\n"), ("other", BLS_SOURCE.replace('"plain"', '"gone"')),
                        ("cfgbls", by_param)):
         (tmp_path / name / "1").mkdir(parents=True)
         (tmp_path / name / "1" / "model.py").write_text(code)
-    clock = Clock()
-    control = FakeControl(["bls", "plain", "cfgbls"])
-    for cfg in control.configs.values():
-        cfg["backend"] = "python"
-    control.configs["cfgbls"]["parameters"] = {"downstream": {"string_value": "plain"}}   # its callee, in its config
-    cfg = ControllerConfig(server=ServerConfig(repository=str(tmp_path)), loop=LOOP,
-                           defaults=ModelLimits(p99_target_ms=1000.0),
-                           models={"bls": ModelLimits(p99_target_ms=60.0), "cfgbls": ModelLimits(p99_target_ms=500.0)})
-    fakes = {m: FakeModel(20, 5, 4) for m in ("bls", "plain", "cfgbls")}
-    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock, traces=_FeedOnce([]))
+    # cfgbls names its callee in its config
+    cfgbls = {**model_config("cfgbls"), "parameters": {"downstream": {"string_value": "plain"}}}
+    ctl, _, clock = _controller(("bls", "plain", "cfgbls"), {"bls": 60.0, "cfgbls": 500.0}, _FeedOnce([]),
+                                configs={"cfgbls": cfgbls}, python=True, repository=str(tmp_path))
     try:
         run_ticks(ctl, clock, 4)
         assert ctl.calls.edges() == (("bls", "plain"), ("cfgbls", "plain")) and not ctl.calls.traced("bls", "plain")
@@ -435,20 +433,13 @@ def test_the_loop_passes_a_callers_target_to_a_callee_its_source_names_and_statu
 def test_a_callee_its_caller_no_longer_names_runs_under_its_own_target_again(tmp_path):
     """bls's model.py named plain, then was edited not to (read again every DISCOVER_EVERY_S): plain's target goes
     back to its own, rather than keeping bls's for the controller's life."""
-    from controller.config import ControllerConfig, ModelLimits, ServerConfig
-    from controller.loop import DISCOVER_EVERY_S, Controller
-    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, run_ticks
+    from controller.loop import DISCOVER_EVERY_S
+    from test_loop_ticks import run_ticks
     (tmp_path / "bls" / "1").mkdir(parents=True)
     code = tmp_path / "bls" / "1" / "model.py"
     code.write_text(BLS_SOURCE)
-    clock = Clock()
-    control = FakeControl(["bls", "plain"])
-    for c in control.configs.values():
-        c["backend"] = "python"
-    cfg = ControllerConfig(server=ServerConfig(repository=str(tmp_path)), loop=LOOP,
-                           defaults=ModelLimits(p99_target_ms=1000.0), models={"bls": ModelLimits(p99_target_ms=60.0)})
-    ctl = Controller(cfg, control=control, clock=clock, traces=_FeedOnce([]),
-                     scraper=FakeScraper(clock, {m: FakeModel(20, 5, 4) for m in ("bls", "plain")}))
+    ctl, _, clock = _controller(("bls", "plain"), {"bls": 60.0}, _FeedOnce([]), python=True,
+                                repository=str(tmp_path))
     try:
         run_ticks(ctl, clock, 4)
         plain = ctl.models["plain"]
@@ -462,15 +453,8 @@ def test_a_callee_its_caller_no_longer_names_runs_under_its_own_target_again(tmp
 
 
 def test_without_a_readable_repository_no_source_is_read():
-    from controller.config import ControllerConfig, ModelLimits, ServerConfig
-    from controller.loop import Controller
-    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, run_ticks
-    clock = Clock()
-    control = FakeControl(["bls", "plain"])
-    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, defaults=ModelLimits(p99_target_ms=1000.0),
-                           models={"bls": ModelLimits(p99_target_ms=60.0)})
-    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, {m: FakeModel(20, 5, 4) for m in ("bls",)}),
-                     clock=clock, traces=_FeedOnce([]))
+    from test_loop_ticks import run_ticks
+    ctl, _, clock = _controller(("bls", "plain"), {"bls": 60.0}, _FeedOnce([]), scraped=("bls",))
     try:
         run_ticks(ctl, clock, 3)
         assert ctl.calls.edges() == () and "plain" not in ctl.models
