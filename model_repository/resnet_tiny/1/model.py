@@ -2,8 +2,16 @@
 
 Device choice: an instance Triton made KIND_GPU runs on `cuda:<model_instance_device_id>`
 (its own device); a KIND_CPU instance, or a GPU instance where torch sees no CUDA, runs on
-the CPU with `cpu_count // live instances` torch threads (at least 1), so that several
-instances do not oversubscribe the cores.
+the CPU with `(usable cores - 1) // live instances` torch threads (at least 1; `thread_budget`): several
+instances do not oversubscribe the cores, and one core is left to the server's own threads (its HTTP/gRPC
+frontends, the batcher, the stubs' messages). Why the core left: a torch op runs on a team of threads that
+waits for its slowest member, so where the team spans every core, any other thread that runs stalls the op.
+Measured on 2 cores (`python -m controller sweep --model resnet_tiny --instances 1,2 --delays-us 0 --rates
+150,300,390 --seconds 8`, the load generator on the same cores): one instance with 2 threads missed a 40-ms p99
+at 300 and 390 req/s (61.8 and 134.2 ms), with 1 thread it held both (17.6 and 18.0 ms); and while a scale-up's
+new stub started (a second of torch import), the 2-thread instance's p99 rose to 0.3-1 s. "Usable cores":
+the process's CPU affinity, capped by a container's CPU limit (cgroup `cpu.max` or v1's CFS quota), where
+`os.cpu_count()` would give the whole host's (`usable_cpus`); the `cpus` parameter, if set, says it instead.
 
 The number of live instances is NOT read from the config: after an in-place instance update the
 running instances keep the config of their own load (a stale count). Instead every CPU instance
@@ -84,6 +92,52 @@ def warmup_batch_sizes(text: str, max_batch: int, on_gpu: bool) -> list[int]:
         raise ValueError(f"parameter warmup_batch_sizes {text!r}: expected 'auto', 'all', '0', or comma-separated "
                          f"batch sizes from 1 to max_batch_size {max_batch}")
     return sorted({int(part) for part in parts})
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on: its CPU affinity, capped by the cgroup's CPU quota (a container's CPU limit:
+    v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), rounded down, at least 1. Example: a pod limited
+    to 2.5 CPUs on a 64-core node: 2 (os.cpu_count() says 64)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = None
+    for path, period in (("/sys/fs/cgroup/cpu.max", None),
+                         ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            with open(path) as f:
+                parts = f.read().split()
+            if period is not None:
+                with open(period) as f:
+                    parts = parts[:1] + f.read().split()[:1]
+        except OSError:
+            continue
+        if len(parts) >= 2 and parts[0] not in ("max", "-1"):
+            try:
+                quota = int(parts[0]) / int(parts[1])
+            except (ValueError, ZeroDivisionError):
+                quota = None
+        break
+    if quota is not None and quota > 0:
+        n = min(n, int(quota))
+    return max(1, n)
+
+
+def _count_param(config: dict, key: str) -> int:
+    """A parameter that counts something: a whole number >= 0 (0 or absent: not set). A bad value fails the load,
+    naming it."""
+    text = _param(config, key, "0").strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"parameter {key}: expected a whole number >= 0 (0: not set), got {text!r}")
+    return int(text)
+
+
+def thread_budget(cpus: int, live_instances: int) -> int:
+    """torch threads for each of `live_instances` CPU instances on `cpus` usable cores: one core left to the
+    server's own threads, the rest shared out, at least 1 (see the module docstring). 2 cores: 1 thread at 1
+    instance and at 2; 16 cores: 15, 7, 5 at 1, 2, 3 instances."""
+    return max(1, (max(1, cpus) - 1) // max(1, live_instances))
 
 
 def _alive(pid: int) -> bool:
@@ -168,7 +222,8 @@ class TritonPythonModel:
         # checked before anything is set up, so that a bad value fails the load at once
         sizes = warmup_batch_sizes(_param(config, "warmup_batch_sizes", "auto"), self.max_batch,
                                    self.device.type == "cuda")
-        self.fixed_threads = int(_param(config, "cpu_threads_per_instance", "0"))
+        self.fixed_threads = _count_param(config, "cpu_threads_per_instance")
+        self.cpus = _count_param(config, "cpus") or usable_cpus()
         self.siblings = SiblingRegistry(self.model_name) if self.device.type == "cpu" and not self.fixed_threads else None
         self.threads, self._threads_checked = 0, 0.0
         if self.device.type == "cpu":
@@ -216,12 +271,12 @@ class TritonPythonModel:
         return x
 
     def _budget_threads(self, force: bool = False) -> None:
-        """torch threads = cpu_count // live sibling instances, re-counted at most once a second."""
+        """torch threads = thread_budget(usable cores, live sibling instances), re-counted at most once a second."""
         now = time.monotonic()
         if not force and now - self._threads_checked < 1.0:
             return
         self._threads_checked = now
-        threads = self.fixed_threads or max(1, (os.cpu_count() or 1) // self.siblings.count())
+        threads = self.fixed_threads or thread_budget(self.cpus, self.siblings.count())
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads
