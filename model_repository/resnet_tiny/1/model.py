@@ -9,7 +9,8 @@ waits for its slowest member, so where the team spans every core, any other thre
 Measured on 2 cores (`python -m controller sweep --model resnet_tiny --instances 1,2 --delays-us 0 --rates
 150,300,390 --seconds 8`, the load generator on the same cores): one instance with 2 threads missed a 40-ms p99
 at 300 and 390 req/s (61.8 and 134.2 ms), with 1 thread it held both (17.6 and 18.0 ms); and while a scale-up's
-new stub started (a second of torch import), the 2-thread instance's p99 rose to 0.3-1 s. "Usable cores":
+new stub started (importing torch, building the model: 1.8-5.4 s there), the 2-thread instance's 1-s p99s rose to
+0.3-1.2 s (docs/results.md, "The shipped torch model on the CPU"). "Usable cores":
 the process's CPU affinity, capped by a container's CPU limit (cgroup `cpu.max` or v1's CFS quota), where
 `os.cpu_count()` would give the whole host's (`usable_cpus`); the `cpus` parameter, if set, says it instead.
 
