@@ -1056,7 +1056,8 @@ class Controller:
             models[mm.name]["called_by_untraced"] = [c for c in callers if not self.calls.traced(c, mm.name)] or None
         loop, s = self.config.loop, self.config.server
         snap = {"interval_s": loop.interval_s, "window_s": loop.window_s, "dry_run": loop.dry_run,
-                "tracing": self.traces.state, "decision_log": loop.decision_log, "ticks": self._ticks,
+                "tracing": self.traces.state, "tracing_caution": self.traces.caution,
+                "decision_log": loop.decision_log, "ticks": self._ticks,
                 "error": self._tick_error,
                 "server": {"http_url": s.http_url, "grpc_url": s.grpc_url, "metrics_url": s.metrics_url},
                 "owner": self.me.owner, "status_url": self.me.status_url, "models": models}

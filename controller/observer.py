@@ -42,7 +42,7 @@ from .planner import Forecast, PlanInputs, implicit_step, mixture_p99, rate_comp
 from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import (TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceSummary, TraceWindow,
-                     choose_sampling, needs_change)
+                     choose_sampling, needs_change, trace_release_unsafe)
 from .types import GpuObservation, Observation, Settings
 
 log = logging.getLogger("controller.observer")
@@ -375,6 +375,7 @@ class TraceFeed:
         self.files: TraceFiles | None = None
         self.trace_path: Path | None = None
         self.state = "starting" if api is not None else "off: disabled in the configuration"
+        self.caution: str | None = None        # what the user should know about tracing on this server (a bug)
         self.sampling: dict[str, TraceSampling] = {}
         self._checked_at: dict[str, float] = {}
         self._failing: set[str] = set()        # models whose last settings call failed (warned once per streak)
@@ -402,6 +403,16 @@ class TraceFeed:
         self.files = self.files_factory(self.trace_path)
         self.state = "on"
         log.info("request tracing: reading %s.<n>, about %g sampled requests/s per model", path, self.samples_per_s)
+        try:
+            version = self.api.server_version()
+        except TraceApiError as e:
+            log.debug("server version not readable (%s)", e)
+            version = None
+        if trace_release_unsafe(version):
+            self.caution = (f"Triton {version} can crash under request tracing (before 2.57 its trace release "
+                            "frees a locked mutex: server#7795, fixed in 2.57 by PR #8144); a newer Triton, or "
+                            "`tracing: false` under `loop:` (the p99 then estimated from means), avoids it")
+            log.warning("request tracing: %s", self.caution)
 
     def adapt(self, model: str, arrival_rps: float | None, now: float) -> None:
         """Turn tracing on for `model`, or change its rate when the arrival rate moved enough."""

@@ -296,6 +296,8 @@ def format_header(doc: dict) -> list[str]:
         mode = "dry run (decides, changes nothing)" if ctl.get("dry_run") else "applies its changes"
         lines.append(f"controller: up {_dur(ctl.get('uptime_s'))}, a tick every {_g(ctl.get('interval_s'))} s over a "
                      f"{_g(ctl.get('window_s'))} s window, {mode}; tracing {tracing}")
+        if ctl.get("tracing_caution"):
+            lines.append(f"tracing: {ctl['tracing_caution']}")
         if ctl.get("error"):
             lines.append(f"controller error: {ctl['error']}")
         if (ctl.get("tick_age_s") or 0) > 3 * (ctl.get("interval_s") or 1) + 5:

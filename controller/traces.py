@@ -343,6 +343,19 @@ def _with_scheme(url: str) -> str:
 
 _LEVELS = frozenset({"OFF", "TIMESTAMPS", "TENSORS"})
 
+TRACE_RELEASE_FIXED = (2, 57)   # Triton's first version whose trace release does not free a locked mutex
+
+
+def trace_release_unsafe(version: str | None) -> bool:
+    """Whether this Triton version's request tracing can corrupt its heap: before 2.57 (r25.04) the trace
+    manager's release deleted a trace while holding that trace's own mutex, then unlocked the freed memory
+    (triton-inference-server/server#7795, "Signal (11) when tracing is enabled", fixed by PR #8144, "Fix segfaults
+    in tracing mode after long run"; tracer.cc `TraceManager::TraceRelease`). Every traced request passes there, so
+    the odds of a crash grow with the traced requests. False where the version is unknown or not "major.minor...".
+    Examples: "2.51.0" -> True, "2.57.0" -> False, "2.60.1" -> False, None -> False."""
+    match = re.match(r"\s*(\d+)\.(\d+)", version or "")
+    return match is not None and (int(match.group(1)), int(match.group(2))) < TRACE_RELEASE_FIXED
+
 
 class TraceApi:
     """Triton's trace extension over HTTP: `GET /v2/trace/setting`, `GET|POST /v2/models/<m>/trace/setting`.
@@ -384,6 +397,11 @@ class TraceApi:
     def setting(self, model: str | None = None) -> dict:
         """The global setting, or the one `model` uses (its own, else the global one)."""
         return self._call("GET", self._url(model))
+
+    def server_version(self) -> str | None:
+        """The server's version (`GET /v2`: "2.51.0"), or None where it does not say."""
+        version = self._call("GET", f"{self.http_url}/v2").get("version")
+        return version if isinstance(version, str) else None
 
     def trace_file(self) -> str | None:
         """The base path of the trace files, or None when the server was started without one."""

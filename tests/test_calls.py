@@ -86,6 +86,7 @@ class _FeedOnce:
 
     def __init__(self, samples, after=0):
         self.samples, self.state, self.after = list(samples), "on", after     # after: empty polls before the first
+        self.caution = None
 
     def poll(self, now, traffic):
         out: dict = {}

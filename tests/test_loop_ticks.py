@@ -107,13 +107,17 @@ class FakeControl:
 
 
 class FakeTraceApi:
-    def __init__(self, trace_file: str | None = "/nowhere/trace.json"):
+    def __init__(self, trace_file: str | None = "/nowhere/trace.json", version: str | None = None):
         self.file = trace_file
+        self.version = version
         self.settings: dict[str, dict] = {}
         self.offs: list[str] = []
 
     def trace_file(self):
         return self.file
+
+    def server_version(self):
+        return self.version
 
     def setting(self, model=None):
         return self.settings.get(model, {"trace_level": ["OFF"]})
@@ -298,6 +302,28 @@ def test_without_a_trace_file_the_p99_falls_back_to_the_estimate(caplog):
     assert mm.history[-1]["tracing"].startswith("off:")
     assert sum("request tracing off" in r.message for r in caplog.records) == 1     # said once
     assert api.settings == {}
+
+
+@pytest.mark.parametrize("version, cautioned", [("2.51.0", True), ("2.56.9", True), ("2.57.0", False), (None, False)])
+def test_a_triton_whose_tracing_can_crash_it_is_named_once_and_in_status(caplog, version, cautioned):
+    """Triton < 2.57 frees a locked mutex in its trace release (server#7795, fixed by PR #8144): said once at the
+    start, and in `status`'s header, with what avoids it; tracing stays on (the user's choice)."""
+    from controller.status import format_header
+    clock = Clock()
+    feed = TraceFeed(FakeTraceApi(version=version), files_factory=FakeFiles)
+    ctl, _, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, traces=feed)
+    run_ticks(ctl, clock, 3)
+    assert feed.on
+    said = [r.message for r in caplog.records if "can crash under request tracing" in r.message]
+    snap = ctl.status_snapshot()
+    ctl.close()
+    if cautioned:
+        assert len(said) == 1 and f"Triton {version}" in said[0] and "server#7795" in said[0]
+        assert "`tracing: false`" in said[0]
+        header = [ln for ln in format_header({"controller": snap}) if ln.startswith("tracing:")]
+        assert header and "server#7795" in header[0], header
+    else:
+        assert not said and snap["tracing_caution"] is None
 
 
 def test_traces_give_the_p99_and_the_rate_follows_the_load():

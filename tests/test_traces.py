@@ -664,3 +664,10 @@ def test_live_trace_p99_matches_client_p99_and_files_are_removed():
         assert [p for p in server.trace_path.parent.iterdir() if p.name.startswith("trace.json.")] == []
     finally:
         server.stop()
+
+
+def test_the_triton_versions_whose_trace_release_frees_a_locked_mutex():
+    """server#7795 (fixed by PR #8144 in 2.57): 2.51 is affected, 2.57 on are not, an unknown version is not named."""
+    from controller.traces import trace_release_unsafe
+    assert all(trace_release_unsafe(v) for v in ("2.51.0", "2.56.9", "2.9.0", "1.99", " 2.40.0dev"))
+    assert not any(trace_release_unsafe(v) for v in ("2.57.0", "2.60.1", "3.0", "10.2.0", None, "", "dev", "r24.10"))
