@@ -846,8 +846,15 @@ class TritonServer:
         signal handler's and libc's; the frame that threw comes after them), up to `CRASH_LINES` lines."""
         if not self.log_path or not self.log_path.exists():
             return "(no log)"
-        text = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines()
-                if ln.strip() and not any(h in ln for h in HARMLESS_LOG_LINES)]
+        # why from log_offset: a server started again appends to the same log, and an earlier death's abort there
+        # was read as the last words of the next one (seen: a SIGILL named by the SIGABRT before it)
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                raw = f.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+        text = [ln.strip() for ln in raw.splitlines() if ln.strip() and not any(h in ln for h in HARMLESS_LOG_LINES)]
         marks = [i for i, ln in enumerate(text) if ln.startswith(CRASH_MARKERS)]
         if marks:
             # the last abort (a stub's earlier crash may have printed its own); its "terminate called" and what()

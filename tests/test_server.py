@@ -613,6 +613,12 @@ def test_an_aborted_servers_last_words_are_its_exception_and_backtrace(tmp_path)
     # without an abort: the last error or warning lines, as before
     log.write_text("I1 x] \"fine\"\nE2 y] \"failed to load 'm'\"\nI3 z] \"still fine\"\n")
     assert server.log_tail() == "E2 y] \"failed to load 'm'\""
+    # a server started again appends to the same log: its last words are its own lines', not the earlier abort's
+    log.write_text("corrupted double-linked list (not small)\nSignal (6) received.\n")
+    server.log_offset = log.stat().st_size                      # what a restart's launch sets
+    with open(log, "a") as f:
+        f.write("I1 x] \"started again\"\nI2 y] \"successfully loaded 'm'\"\n")
+    assert server.log_tail() == "I1 x] \"started again\" | I2 y] \"successfully loaded 'm'\""
 
 
 def test_serve_names_the_abort_and_keeps_the_log_of_a_server_that_died(tmp_path):
