@@ -117,10 +117,33 @@ LEVEL_S = 15.0      # seconds of each load level in the trace-p99 test
 
 def test_the_trace_p99_follows_the_client_p99_at_two_load_levels(sim_server, tmp_path):
     """The controller's own reading (p99_source "trace") against what the clients measured, over the same
-    seconds, at a light and a heavy load. Dry run at a fixed config, so that only the load changes."""
+    seconds, at a light and a heavy load. Dry run at a fixed config, so that only the load changes.
+
+    Where tritonserver itself died under it (CI 95: connection refused at the second level), it runs once more on a
+    fresh server and fails if that one dies too: 2.51's request tracing can corrupt its heap (server#7795, fixed by
+    PR #8144 in 2.57; docs/results.md, "Server failures"), and this test traces 60 requests a second."""
+    import warnings
+    try:
+        _trace_follows_the_client(sim_server, tmp_path / "first")
+        return
+    except Exception as e:  # noqa: BLE001
+        if sim_server.process is None or sim_server.process.poll() is None:
+            raise
+        warnings.warn(f"tritonserver died under the trace test ({sim_server.process.returncode}: "
+                      f"{sim_server.log_tail()}; {type(e).__name__}); running it again on a fresh server")
+    fresh = start_server([MODEL])
+    try:
+        _trace_follows_the_client(fresh, tmp_path / "again")
+        assert fresh.process.poll() is None, f"tritonserver died again: {fresh.log_tail()}"
+    finally:
+        fresh.stop()
+
+
+def _trace_follows_the_client(sim_server, tmp_path):
     import dataclasses
 
     import numpy as np
+    tmp_path.mkdir(parents=True, exist_ok=True)
     obs_log = tmp_path / "observations.jsonl"
     act = Actuator(TritonControl(sim_server.grpc_url, sim_server.http_url))
     assert act.apply(MODEL, Settings(1, 0)).ok
