@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the controller's scale_down_delay_s (default: the controller's own, 30)")
     b.add_argument("--controller-planner", choices=("on", "off"), default="on",
                    help="off: the adaptive arm decides by the reactive rules alone, the planner's fallback (default on)")
+    b.add_argument("--controller-tracing", choices=("auto", "on", "off"), default="auto",
+                   help="the adaptive arm's request tracing: on, off, or auto (the controller's default) (default auto)")
     b.add_argument("--controller-window-s", type=_bounded(float, 1.0, 600.0), default=10.0, help="controller window (default 10)")
     b.add_argument("--controller-gpu", choices=("auto", "nvml", "simulated", "none"),
                    help="the controller's gpu source (default: simulated for sim_accel, else auto)")

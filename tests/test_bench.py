@@ -226,6 +226,18 @@ def test_the_adaptive_arm_can_bench_the_reactive_rules_alone(tmp_path):
     assert build_parser().parse_args(["bench"]).controller_planner == "on"
 
 
+def test_the_adaptive_arm_can_force_tracing_on_or_off_or_leave_the_controller_s_default(tmp_path):
+    from controller.cli import build_parser
+    from controller.evaluation.bench import BenchOptions, _controller_spec
+    trace = load_trace({"phases": [{"name": "a", "duration_s": 10, "rate_rps": 50}]})
+    spec = {t: _controller_spec(BenchOptions(scenario=tmp_path / "s.yaml", out=tmp_path, controller_tracing=t), trace)
+            for t in (None, True, False)}
+    assert "tracing" not in spec[None].settings
+    assert spec[True].settings["tracing"] is True and spec[False].settings["tracing"] is False
+    assert build_parser().parse_args(["bench"]).controller_tracing == "auto"
+    assert build_parser().parse_args(["bench", "--controller-tracing", "off"]).controller_tracing == "off"
+
+
 # ----------------------------------------------------------------------------- timelines and bins
 def test_instance_seconds_integrates_the_live_count():
     assert instance_seconds([(0, 1), (30, 4), (90, 2)], 120) == pytest.approx(330)

@@ -491,6 +491,7 @@ class BenchOptions:
     controller_gpu: str | None = None      # None: "simulated" for sim_accel, else "auto"
     controller_scale_down_delay_s: float | None = None   # None: the controller's default
     controller_planner: bool = True        # False: the reactive rules alone (the planner's fallback), to bench them
+    controller_tracing: bool | None = None  # None: the controller's default; True/False: `tracing` forced on/off
     model_analyzer: Path | None = None     # model_analyzer.json: adds the static arm `model_analyzer` at MA's pick
     inputs: InputSpec | None = None        # --shape / --input-data (default: random values, variable dims 1)
 
@@ -537,7 +538,8 @@ def _controller_spec(opts: BenchOptions, trace: Trace) -> ControllerSpec:
     return ControllerSpec(
         settings={"interval_s": opts.controller_interval_s, "window_s": opts.controller_window_s,
                   "gpu": opts.controller_gpu or ("simulated" if opts.model == "sim_accel" else "auto"),
-                  "planner": opts.controller_planner},
+                  "planner": opts.controller_planner,
+                  **({} if opts.controller_tracing is None else {"tracing": opts.controller_tracing})},
         models={opts.model: limits}, observation_log=True,
         duration_s=controller_run_s(trace.duration_s))
 
@@ -868,6 +870,8 @@ def bench(opts: BenchOptions) -> dict:
                                                   else ""))
     summary = {"scenario": str(opts.scenario), "model": opts.model, "sla_ms": opts.sla_ms, "seed": opts.seed,
                "duration_s": trace.duration_s, "requests": int(len(schedule)),
+               "controller": {"planner": opts.controller_planner,
+                              "tracing": "auto" if opts.controller_tracing is None else opts.controller_tracing},
                "sweep": None if sweep_path is None else str(sweep_path),
                "best_static": None if not best_static else {
                    "instances": best_static[0].instance_count, "delay_us": best_static[0].max_queue_delay_us,
@@ -902,6 +906,7 @@ def run_bench(args) -> int:
                         controller_gpu=args.controller_gpu,
                         controller_scale_down_delay_s=args.controller_scale_down_delay_s,
                         controller_planner=getattr(args, "controller_planner", "on") == "on",
+                        controller_tracing={"on": True, "off": False}.get(getattr(args, "controller_tracing", "auto")),
                         model_analyzer=getattr(args, "model_analyzer", None), inputs=inputs)
     try:
         summary = bench(opts)
