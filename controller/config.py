@@ -18,7 +18,7 @@ Every default lives in the dataclasses below (this is the one place). A YAML fil
       metrics_port: 9109              # 0 (the default): a free loopback port, which `status` finds
       metrics_address: 127.0.0.1      # an IP address; 0.0.0.0 exposes /metrics and /status (a sidecar)
       gpu: auto                       # auto | nvml | simulated | none
-      tracing: true                   # p99 from sampled request traces (needs the server's trace file)
+      tracing: auto                   # p99 from sampled request traces: auto (on from Triton 2.57) | true | false
     defaults:                         # apply to every model unless overridden below
       p99_target_ms: 100
     models:
@@ -79,7 +79,9 @@ class LoopConfig:
     reload_timeout_s: float = 120.0
     failure_backoff_s: float = 30.0     # first wait after a failed reload; doubles each time
     warm_start: str | None = None       # a `sweep.json`: its cells seed the model's memory of what works
-    tracing: bool = True                # p99 from sampled request traces when the server has a trace file
+    tracing: bool | str = "auto"        # p99 from sampled request traces when the server has a trace file: true,
+    #                                     false, or auto: on where the server's Triton traces safely (2.57 and later;
+    #                                     before, its trace release can crash it: traces.trace_release_unsafe)
     trace_file: str | None = None       # where the server's trace file is visible from here; None: ask the server
     trace_samples_per_s: float = 20.0   # sampled requests per second and model the trace rate aims at
     observation_log: str | None = None  # JSONL: every tick's observation per model (benchmarks); None: none
@@ -160,6 +162,10 @@ def _check_value(path: str, name: str, value: Any, default: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= float(value) <= hi:
             raise ConfigError(f"{path}: must be a number in [{lo:g}, {hi:g}], got {value!r}")
         return float(value)
+    if name == "tracing":
+        if not (isinstance(value, bool) or value == "auto"):
+            raise ConfigError(f"{path}: must be true, false or auto, got {value!r}")
+        return value
     if name in _CHOICES:
         if value not in _CHOICES[name]:
             raise ConfigError(f"{path}: must be one of {', '.join(_CHOICES[name])}, got {value!r}")

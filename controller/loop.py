@@ -181,8 +181,9 @@ class Controller:
         self.observation_log = JsonLog(config.loop.observation_log, max_bytes, config.loop.log_files_kept)
         self.metrics = metrics or ControllerMetrics()
         if traces is None:
-            api = TraceApi(s.http_url, headers, timeout_s=s.timeout_s) if config.loop.tracing else None
-            traces = TraceFeed(api, samples_per_s=config.loop.trace_samples_per_s, path_override=config.loop.trace_file)
+            api = TraceApi(s.http_url, headers, timeout_s=s.timeout_s) if config.loop.tracing is not False else None
+            traces = TraceFeed(api, samples_per_s=config.loop.trace_samples_per_s, path_override=config.loop.trace_file,
+                               forced=config.loop.tracing is True)
         self.traces = traces
         self.calls = CallGraph()         # who calls whom (BLS), from the request traces
         self.models: dict[str, ManagedModel] = {}

@@ -19,15 +19,18 @@ available, and the observation says which (`p99_source`):
 2. ``summary``: Triton's own summary quantile, when the span is as long as the summary's own
    (about 60 s) so that it does not describe the past;
 3. ``mean_x_tail_ratio``: max(worst per-scrape mean, mean x tail ratio), the tail ratio learned
-   from a quiet minute of summaries (2.0 until then). A servers started without a trace file, or
-   one whose files this process cannot see, gets this one (logged once by the `TraceFeed`).
+   from a quiet minute of summaries (2.0 until then). A server started without a trace file, one
+   whose files this process cannot see, or a Triton older than 2.57 under `tracing: auto` (the
+   default) gets this one (logged once by the `TraceFeed`).
 
 The `TraceFeed` turns TIMESTAMPS tracing on for each managed model, adapts the sampling rate to
 the arrival rate (`traces.choose_sampling`: about `samples_per_s` traces a second, so a window
 holds a few hundred at high load, and every request is traced at a few req/s), reads and removes
 the rotated trace files, and routes the samples to the observers. Anything that stops it (no
 trace file on the server, files that never appear here, an unwritable or full disk) turns tracing
-off with one log line and leaves the observers on the counters' estimate: never an exception.
+off with one log line and leaves the observers on the counters' estimate: never an exception. So
+does, under `tracing: auto`, a Triton older than 2.57, whose request tracing can crash it
+(`traces.trace_release_unsafe`); `tracing: true` (`forced`) traces it anyway and says so once.
 """
 from __future__ import annotations
 
@@ -367,8 +370,9 @@ class TraceFeed:
     NO_FILES_AFTER_S = 30.0     # traffic for this long and no trace file seen here: the files are elsewhere
 
     def __init__(self, api: TraceApi | None, *, samples_per_s: float = 20.0, path_override: str | None = None,
-                 files_factory: Callable[[Path], TraceFiles] = TraceFiles):
+                 files_factory: Callable[[Path], TraceFiles] = TraceFiles, forced: bool = False):
         self.api = api
+        self.forced = forced                   # `tracing: true`: on even where the server's tracing can crash it
         self.samples_per_s = samples_per_s
         self.path_override = path_override
         self.files_factory = files_factory
@@ -399,19 +403,25 @@ class TraceFeed:
             self._turn_off("the server was started without a trace file (add "
                            "--trace-config triton,file=/tmp/traces/trace.json to tritonserver's command line)")
             return
-        self.trace_path = Path(path)
-        self.files = self.files_factory(self.trace_path)
-        self.state = "on"
-        log.info("request tracing: reading %s.<n>, about %g sampled requests/s per model", path, self.samples_per_s)
         try:
             version = self.api.server_version()
         except TraceApiError as e:
             log.debug("server version not readable (%s)", e)
             version = None
-        if trace_release_unsafe(version):
+        unsafe = trace_release_unsafe(version)
+        if unsafe and not self.forced:
+            self._turn_off(f"Triton {version} can crash under request tracing (server#7795, fixed in 2.57), so "
+                           "`tracing: auto` leaves it off; `tracing: true` under `controller:` turns it on anyway")
+            return
+        self.trace_path = Path(path)
+        self.files = self.files_factory(self.trace_path)
+        self.state = "on"
+        log.info("request tracing: reading %s.<n>, about %g sampled requests/s per model", path, self.samples_per_s)
+        if unsafe:
             self.caution = (f"Triton {version} can crash under request tracing (before 2.57 its trace release "
                             "frees a locked mutex: server#7795, fixed in 2.57 by PR #8144); a newer Triton, or "
-                            "`tracing: false` under `loop:` (the p99 then estimated from means), avoids it")
+                            "`tracing: auto` or `false` under `controller:` (the p99 then estimated from the "
+                            "counters), avoids it")
             log.warning("request tracing: %s", self.caution)
 
     def adapt(self, model: str, arrival_rps: float | None, now: float) -> None:

@@ -433,16 +433,18 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                 when += f"; now: {NOW_WHY.get(now, now)}"
             rows.append(("load", f"{_num(o.get('arrival_rps'))} req/s arriving, {_num(o.get('completion_rps'))} req/s done"
                          + (f", {_num(o.get('failure_rps'), 2)} failing" if o.get("failure_rps") else "") + when))
+            tracing = m.get("tracing", "?")
+            tracing = "off, see above" if tracing.startswith("off") else tracing   # the header says why, once
             if o.get("p99_ms") is not None:
                 source = o.get("p99_source", "?")
                 if o.get("p99_samples"):
                     source += f", {o['p99_samples']} samples"
                 warm = "; warming up: the model's first executions since it loaded, not held against its model" \
                     if o.get("warming_up") else ""
-                rows.append(("p99", f"{_num(o['p99_ms'], 2)} ms  from {source}  (tracing {m.get('tracing', '?')}){warm}"))
+                rows.append(("p99", f"{_num(o['p99_ms'], 2)} ms  from {source}  (tracing {tracing}){warm}"))
             else:
                 none = "none: no requests in the window" if not o.get("completion_rps") else "none yet"
-                rows.append(("p99", f"{none} (tracing {m.get('tracing', '?')})"))
+                rows.append(("p99", f"{none} (tracing {tracing})"))
             busy = o.get("busy")
             if ens:
                 rows.extend(_ensemble_rows(m, models or {}, name))

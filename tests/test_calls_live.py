@@ -23,7 +23,7 @@ def _bls_config(server, tmp_path, repository=None, dry_run=False):
     return ControllerConfig(
         server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
                             repository=repository),
-        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, dry_run=dry_run,
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, tracing=True, dry_run=dry_run,
                         decision_log=str(tmp_path / "decisions.jsonl"), gpu="simulated", owner_mark=False),
         defaults=ModelLimits(p99_target_ms=1000.0),
         models={"bls": ModelLimits(p99_target_ms=60.0, max_instances=2)})
@@ -114,7 +114,7 @@ def test_calls_sent_at_once_are_seen_as_fewer_in_sequence(tmp_path):
     server = start_server(["fan", "plain"], repository=repo)
     cfg = ControllerConfig(
         server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
-        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, dry_run=True,
+        loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, tracing=True, dry_run=True,
                         decision_log=str(tmp_path / "decisions.jsonl"), gpu="simulated", owner_mark=False),
         models={"fan": ModelLimits(p99_target_ms=100.0), "plain": ModelLimits(p99_target_ms=100.0, min_instances=4,
                                                                               max_instances=4)})

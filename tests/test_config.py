@@ -257,6 +257,10 @@ INVALID = [
         "controller.metrics_port: must be an integer in [0, 65535], got 70000"),
     bad("controller-dry-run-not-bool", {"controller": {"dry_run": "yes please"}},
         "controller.dry_run: must be true or false, got 'yes please'"),
+    bad("controller-tracing-not-a-choice", {"controller": {"tracing": "sometimes"}},
+        "controller.tracing: must be true, false or auto, got 'sometimes'"),
+    bad("controller-tracing-a-number", {"controller": {"tracing": 1}},
+        "controller.tracing: must be true, false or auto, got 1"),
     bad("controller-decision-log-not-string", {"controller": {"decision_log": 5}},
         "controller.decision_log: must be a string, got 5"),
     bad("server-http-url-null", {"server": {"http_url": None}}, "server.http_url: must be a string, got null"),
@@ -289,6 +293,13 @@ INVALID = [
         "models: must be a mapping of model name to settings, got str"),
     bad("models-list-of-non-names", {"models": ["a", {"b": 1}]}, "models: a list must hold model names (strings)"),
 ]
+
+
+@pytest.mark.parametrize("text, value", [("", "auto"), ("tracing: auto", "auto"), ("tracing: true", True),
+                                         ("tracing: false", False), ("tracing: off", False)])
+def test_tracing_is_auto_unless_set_to_true_or_false(text, value):
+    raw = yaml.safe_load("controller: {" + text + "}")
+    assert parse_config(raw).loop.tracing == value
 
 
 @pytest.mark.parametrize("raw, message", INVALID)

@@ -152,7 +152,8 @@ def _trace_follows_the_client(sim_server, tmp_path):
     # nearest-rank p99 is not the window's single slowest one; at the default 20/s it held ~85, and one slow
     # request among them read 2.3x the clients' p99 for four ticks (a CI failure, docs/results.md)
     cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, interval_s=1.0, window_s=5.0,
-                                                            trace_samples_per_s=60.0, observation_log=str(obs_log)))
+                                                            tracing=True, trace_samples_per_s=60.0,
+                                                            observation_log=str(obs_log)))
     with running_controller(cfg) as (controller, _):
         phases = []
         for rate in (40, 160):

@@ -25,7 +25,7 @@ def _dry_run(server, model: str, log) -> ControllerConfig:
         server=ServerConfig(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url),
         loop=LoopConfig(interval_s=0.5, window_s=4.0, settle_s=1.0, min_span_s=2.0, dry_run=True,
                         decision_log=str(log), observation_log=str(log.parent / "observations.jsonl"),
-                        gpu="simulated", trace_samples_per_s=60.0),
+                        gpu="simulated", tracing=True, trace_samples_per_s=60.0),
         models={model: ModelLimits(p99_target_ms=60.0, max_instances=4)})
 
 

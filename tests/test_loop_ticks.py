@@ -305,25 +305,55 @@ def test_without_a_trace_file_the_p99_falls_back_to_the_estimate(caplog):
 
 
 @pytest.mark.parametrize("version, cautioned", [("2.51.0", True), ("2.56.9", True), ("2.57.0", False), (None, False)])
-def test_a_triton_whose_tracing_can_crash_it_is_named_once_and_in_status(caplog, version, cautioned):
-    """Triton < 2.57 frees a locked mutex in its trace release (server#7795, fixed by PR #8144): said once at the
-    start, and in `status`'s header, with what avoids it; tracing stays on (the user's choice)."""
+def test_tracing_forced_on_a_triton_whose_tracing_can_crash_it_is_named_once_and_in_status(caplog, version, cautioned):
+    """`tracing: true`: Triton < 2.57 frees a locked mutex in its trace release (server#7795, fixed by PR #8144): said
+    once at the start, and in `status`'s header, with what avoids it; tracing stays on (the user's choice)."""
     from controller.status import format_header
     clock = Clock()
-    feed = TraceFeed(FakeTraceApi(version=version), files_factory=FakeFiles)
+    api = FakeTraceApi(version=version)
+    feed = TraceFeed(api, files_factory=FakeFiles, forced=True)
     ctl, _, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, traces=feed)
     run_ticks(ctl, clock, 3)
-    assert feed.on
+    assert feed.on and api.settings["m"]["trace_level"] == ["TIMESTAMPS"]
     said = [r.message for r in caplog.records if "can crash under request tracing" in r.message]
     snap = ctl.status_snapshot()
     ctl.close()
     if cautioned:
         assert len(said) == 1 and f"Triton {version}" in said[0] and "server#7795" in said[0]
-        assert "`tracing: false`" in said[0]
+        assert "`tracing: auto` or `false` under `controller:`" in said[0]
         header = [ln for ln in format_header({"controller": snap}) if ln.startswith("tracing:")]
         assert header and "server#7795" in header[0], header
     else:
         assert not said and snap["tracing_caution"] is None
+
+
+@pytest.mark.parametrize("version, traced", [("2.51.0", False), ("2.56.9", False), ("2.57.0", True), ("2.60.1", True),
+                                             (None, True)])
+def test_tracing_auto_leaves_a_triton_whose_tracing_can_crash_it_untraced_and_says_so(caplog, version, traced):
+    """`tracing: auto` (the default): on from 2.57; before, off, never asked of the server, said once, the p99 from
+    the counters. A version that cannot be read is not known to be unsafe: on."""
+    from controller.status import format_header
+    clock = Clock()
+    api = FakeTraceApi(version=version)
+    feed = TraceFeed(api, files_factory=FakeFiles)
+    ctl, _, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, traces=feed)
+    run_ticks(ctl, clock, 7)
+    snap = ctl.status_snapshot()
+    mm = ctl.models["m"]
+    asked = dict(api.settings)
+    ctl.close()
+    assert snap["tracing_caution"] is None
+    if traced:
+        assert feed.on and asked["m"]["trace_level"] == ["TIMESTAMPS"]
+        return
+    assert api.settings == {} and api.offs == [] and feed.files is None
+    assert feed.state.startswith(f"off: Triton {version} can crash under request tracing"), feed.state
+    assert "`tracing: true` under `controller:` turns it on anyway" in feed.state
+    assert sum("request tracing off" in r.message for r in caplog.records) == 1     # said once
+    assert mm.last_obs.valid and mm.last_obs.p99_source == "mean_x_tail_ratio"
+    assert mm.history[-1]["tracing"] == feed.state
+    header = format_header({"controller": snap})
+    assert any(f"tracing off: Triton {version} can crash" in ln for ln in header), header
 
 
 def test_traces_give_the_p99_and_the_rate_follows_the_load():

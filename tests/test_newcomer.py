@@ -237,6 +237,11 @@ def test_the_text_is_one_aligned_block_per_model():
     rows_warm = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", warm)[1:])
     assert rows_warm["p99"] == ("12.34 ms  from trace, 240 samples  (tracing on, 1 in 7 requests); warming up: the "
                                 "model's first executions since it loaded, not held against its model")
+    # tracing off: the model's row says so and leaves the why (one long line) to the header, said once
+    off = dict(SEEN, tracing="off: Triton 2.51.0 can crash under request tracing (...)",
+               obs=dict(SEEN["obs"], p99_source="mean_x_tail_ratio", p99_samples=None))
+    rows_off = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", off)[1:])
+    assert rows_off["p99"] == "12.34 ms  from mean_x_tail_ratio  (tracing off, see above)"
     assert rows["last change"].endswith("(2m 10s ago) 1 -> 2 instances, delay 0 us: ScaleUpQueueGrowing (in place, 0.7 s)")
     # a model whose first executions after a change run slow (service.ServiceTimes.cold_start) is told what to do
     cold = dict(SEEN, obs=dict(SEEN["obs"], cold_start={"instances": 2, "delay_us": 0, "executions": 50, "ms": 24.0,

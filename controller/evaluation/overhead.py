@@ -63,7 +63,9 @@ def _arm(opts: OverheadOptions, tracing: bool, schedule: np.ndarray, trace) -> d
         finally:
             control.close()
         make_inputs = make_inputs_from_config(server.http_url, opts.model)
-        feed = TraceFeed(TraceApi(server.http_url), samples_per_s=opts.samples_per_s) if tracing else None
+        # forced: this measures tracing, whatever the server's version (the controller's `tracing: auto` leaves
+        # a Triton < 2.57 untraced)
+        feed = TraceFeed(TraceApi(server.http_url), samples_per_s=opts.samples_per_s, forced=True) if tracing else None
         done = threading.Event()
         read = {"samples": 0, "rates": set()}
         t0 = time.monotonic()
