@@ -514,8 +514,10 @@ class Controller:
             for c in sorted(set(named) - before):
                 if not self.calls.traced(mm.name, c):
                     log.info("%s: its model.py (or its config) names %s where it builds an InferenceRequest: taken "
-                             "as calling it once a request (its target passes to %s) until its request traces show "
-                             "the calls; pass trace=request.trace() to the InferenceRequest for them to", mm.name, c, c)
+                             "as calling it once a request (its target passes to %s) %s", mm.name, c, c,
+                             "until its request traces show the calls; pass trace=request.trace() to the "
+                             "InferenceRequest for them to" if not self.traces.state.startswith("off")
+                             else "(request tracing is off, so the calls are not measured)")
 
     def _pass_ensemble_targets(self, now: float) -> None:
         """An ensemble's p99 target to the step that holds its latency, and a caller's (BLS) to the model it calls

@@ -324,15 +324,16 @@ def _calls_text(callee: str, k: dict) -> str:
     return text + ")"
 
 
-def _calls_row(calls: dict) -> str:
+def _calls_row(calls: dict, tracing_off: bool = False) -> str:
     """The `calls` row: the callees seen in the request traces, then those only named in the model's source (a
-    caller that does not pass its trace on; controller/calls.py), with what to do about it."""
+    caller that does not pass its trace on, or request tracing off; controller/calls.py), with what to do about it."""
     seen = [_calls_text(c, k) for c, k in calls.items() if k.get("traced", True)]
     named = [c for c, k in calls.items() if not k.get("traced", True)]
     parts = [", ".join(seen) + ", seen in its request traces"] if seen else []
     if named:
-        parts.append(", ".join(named) + " named in its model.py or config, taken as 1 call a request (its calls are "
-                     "not traced: pass trace=request.trace() to the InferenceRequest to measure them)")
+        why = ("request tracing is off, so its calls are not measured" if tracing_off else
+               "its calls are not traced: pass trace=request.trace() to the InferenceRequest to measure them")
+        parts.append(", ".join(named) + f" named in its model.py or config, taken as 1 call a request ({why})")
     return "; ".join(parts) + ": their latency is part of this model's"
 
 
@@ -409,15 +410,17 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
         rows.append(("model", m["knobs"]))
     if m.get("target_from"):    # an ensemble's or a caller's target passed to this model (controller/ensemble.py)
         rows.append(("target", m["target_from"]))
+    tracing_off = str(m.get("tracing", "")).startswith("off")
     if m.get("calls"):          # a model calling others (BLS): seen in its request traces, or named in its source
-        rows.append(("calls", _calls_row(m["calls"])))
+        rows.append(("calls", _calls_row(m["calls"], tracing_off)))
     if m.get("called_by"):
         untraced = set(m.get("called_by_untraced") or ())
         seen = [c for c in m["called_by"] if c not in untraced]
         rows.append(("called by", "; ".join(
             ([", ".join(seen) + ", seen in their request traces"] if seen else [])
             + ([", ".join(sorted(untraced)) + (", which names it in its model.py or config" if len(untraced) == 1 else
-                                                ", which name it in their model.py or config") + " (calls not traced)"]
+                                                ", which name it in their model.py or config")
+                + (" (request tracing off)" if tracing_off else " (calls not traced)")]
                if untraced else []))))
     if m.get("versions"):       # several versions loaded: each runs the instance count shown
         rows.append(("versions", _versions_line(m["versions"], m.get("instances"))))

@@ -427,6 +427,16 @@ def test_the_loop_passes_a_callers_target_to_a_callee_its_source_names_and_statu
         called_by = next(ln for ln in format_model("plain", {**snap["plain"], "state": "READY"})
                          if ln.split()[:2] == ["called", "by"])
         assert "bls, cfgbls, which name it in their model.py or config (calls not traced)" in called_by, called_by
+        # request tracing off (a Triton < 2.57 under `tracing: auto`): the calls cannot be measured whatever the
+        # caller passes, so status says that rather than asking for trace=request.trace()
+        off = "off: Triton 2.51.0 can crash under request tracing (...)"
+        calls_off = next(ln for ln in format_model("bls", {**snap["bls"], "state": "READY", "tracing": off})
+                         if "calls" in ln.split()[:1])
+        assert "(request tracing is off, so its calls are not measured)" in calls_off, calls_off
+        assert "trace=request.trace()" not in calls_off, calls_off
+        called_off = next(ln for ln in format_model("plain", {**snap["plain"], "state": "READY", "tracing": off})
+                          if ln.split()[:2] == ["called", "by"])
+        assert called_off.endswith("which name it in their model.py or config (request tracing off)"), called_off
     finally:
         ctl.close()
 

@@ -29,6 +29,9 @@ def test_the_mixed_repository_serves_under_load_without_failures_or_refused_relo
     text = doc["status_text"] or ""
     assert "ens  READY  (target p99 25 ms, end to end; tuned through its steps)" in text, text
     assert "  step         ens_step: READY" in text and "bls  READY" in text and "plain  READY" in text, text
-    # bls passes its request's trace to its calls: the controller sees that it calls plain (controller/calls.py)
-    assert "  calls        plain (1.0 a request), seen in its request traces" in text, text
-    assert "  called by    bls, seen in their request traces" in text, text
+    # bls passes its request's trace to its calls, but serve's Triton (2.51) runs untraced under `tracing: auto`
+    # (its tracing can crash it): the controller finds plain named in bls's model.py and says why the calls are not
+    # measured, not that bls should pass its trace on (test_calls_live.py sees them traced, with tracing: true)
+    assert ("  calls        plain named in its model.py or config, taken as 1 call a request (request tracing is "
+            "off, so its calls are not measured)") in text, text
+    assert "  called by    bls, which names it in its model.py or config (request tracing off)" in text, text
