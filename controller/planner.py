@@ -6,8 +6,9 @@ Sections, in the order a decision uses them:
 2. `Forecast`: where the arrival rate will be when a change pays off;
 3. `ServiceModel`: s(b) for any instance count (measured, or scaled by contention);
 4. `DeviceShare`, `predict`, `capacity_rps`: one candidate's corrected p99, its capacity;
-5. `choose`: the fewest instances, then the shortest delay, predicted under the target's margin,
-   with consolidation for scale-downs and the fallback to the reactive rules (policy.py calls it).
+5. `choose`: the fewest instances, then the shortest delay, predicted under the target's margin (a
+   scale-up at the live delay where one meets it), with consolidation for scale-downs and the fallback to
+   the reactive rules (policy.py calls it).
 
 Each observation also carries the p99 predicted for the live configuration at the measured rate
 (`Observation.predicted_p99_ms`), logged beside the measured one: the ratio of the two corrects
@@ -995,11 +996,21 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     Example: budget 3 instances, 1 of another model and 1 live here: 1 x 0us -> 2 x 2000us would hold 4 for
     a moment; `reload_max` = 1, so 2 x 0us (in place) or 1 x 2000us are the options.
 
+    **A scale-up keeps the live delay where it can.** Where the live configuration misses the margin, the choice is
+    the fewest instances *at the live delay* (instances added in place), and a new delay only where no count at
+    the live delay, up to the ceiling, is predicted under the margin: the device the limit (more instances
+    contend and buy nothing), the ceiling or the memory budget reached. Why: a new delay is a full reload, which
+    starts every instance again beside the live ones while the load is rising, and the benches never showed one
+    paying for that. shift_tight r74: 3 x 0us -> 3 x 2000us in the flash, by a full reload, its p99 40.1 ms against
+    a 25-ms SLA; r80 (traced round 1): the same change at 103 s, the flash's p99 29.7 ms, against 23.2-24.9 ms in
+    the three runs beside it that added an instance in place instead; resnet_shift r77: a 6.2-s full reload to
+    1 x 2000us where 2 x 0us in place was predicted within the margin. The configuration passed over is named in
+    the decision ("in place rather than 3x2000us"). A scale-down may still shorten the delay (consolidation).
+
     `starts_cold`: the model's first executions after a load are slow (`service.ServiceTimes.cold_start`). A new
     delay is a full reload, whose every instance then starts cold, while an in-place change starts only the
-    instances it adds. So the delay stays where it is unless no configuration at the live delay is predicted
-    under the margin (then the usual choice over every delay, and the best effort's): a consolidation keeps the
-    delay too. Why: sim_accel with an 800-ms first execution (an H200's without a warm-up) in the shift bench went
+    instances it adds. So the delay stays where it is, as on any scale-up, and a consolidation keeps the delay too.
+    Why: sim_accel with an 800-ms first execution (an H200's without a warm-up) in the shift bench went
     2 x 0us -> 2 x 500us -> 2 x 0us -> 2 x 2000us -> 2 x 0us, four full reloads, each serving its first requests
     800 ms late: a p99 of 734 ms over the run against 20 ms where the same model held 3 x 0us.
     """
@@ -1020,7 +1031,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     limit = MARGIN * target_ms
     every_delay = delay_grid(min_delay_us, max_delay_us, live.max_queue_delay_us) if delay_allowed and mb > 1 \
         else [live.max_queue_delay_us]
-    delays = [live.max_queue_delay_us] if starts_cold else every_delay
+    delays = every_delay
     cache: dict[Settings, Candidate | None] = {}
 
     def reloadable(s: Settings) -> bool:
@@ -1196,10 +1207,20 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         return lowest([c for c in near if c.settings.instance_count == fewest_n]), more
 
     live_c = at_hi(live)
+    scale_up = live_c is None or not live_c.meets
+    in_place_over: Candidate | None = None     # the new delay passed over for instances added in place
+    if scale_up or starts_cold:
+        delays = [live.max_queue_delay_us]     # see the doc: a new delay only where the live one cannot do
     chosen = fewest(limit)
     if chosen is None and delays != every_delay:
-        delays = every_delay          # a model that starts cold: a new delay only where the live one cannot do
+        delays = every_delay
         chosen = fewest(limit)
+    elif chosen is not None and scale_up and delays != every_delay:
+        delays = every_delay
+        other = fewest(limit)
+        if other is not None and other.settings != chosen.settings:
+            in_place_over = other
+        delays = [live.max_queue_delay_us] if starts_cold else every_delay
     common = dict(live=live_c, band=band, correction=factor)
     jitter = model.jitter(live.instance_count)
     where = (f"forecast {band[0]:.0f}-{band[2]:.0f} req/s in {horizon:.1f} s; live {_desc(live_c)}; "
@@ -1284,7 +1305,9 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         return Plan(best_c.settings, change_reason(live, best_c.settings, "BestEffort"), f"no configuration within the ceiling ({ceiling}) is "
                     f"predicted under {MARGIN:g}x the target; {how}; {where}", usable=True, chosen=best_c,
                     state=keep, **common)
-    return Plan(chosen.settings, change_reason(live, chosen.settings, "Predicted"), f"{_desc(chosen)}; {where}",
+    over = (f"; in place rather than {_fmt_settings(in_place_over.settings)} (a new delay reloads every instance)"
+            if in_place_over is not None else "")
+    return Plan(chosen.settings, change_reason(live, chosen.settings, "Predicted"), f"{_desc(chosen)}{over}; {where}",
                 usable=True, chosen=chosen, state=keep, **common)
 
 

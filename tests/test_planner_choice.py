@@ -738,18 +738,30 @@ def _fake_predict(p99_of):
 
 
 @pytest.mark.parametrize("starts_cold, ceiling, expected", [
-    pytest.param(False, 3, S(1, 2000), id="warm-the-fewest-instances-with-a-delay"),
+    pytest.param(False, 3, S(2, 0), id="one-more-instance-in-place"),
     pytest.param(True, 3, S(2, 0), id="cold-one-more-instance-in-place"),
+    pytest.param(False, 1, S(1, 2000), id="only-the-delay-meets"),
     pytest.param(True, 1, S(1, 2000), id="cold-but-only-the-delay-meets"),
 ])
-def test_a_model_that_starts_cold_changes_its_delay_only_where_it_must(monkeypatch, starts_cold, ceiling, expected):
+def test_a_scale_up_changes_the_delay_only_where_it_must(monkeypatch, starts_cold, ceiling, expected):
     # one instance misses at 0us (38 > 36 ms) and meets at 2000us (30), two at 0us meet (20): the fewest instances
-    # first is 1 x 2000us, a full reload whose instances all start cold; a model that starts cold takes the second
-    # instance in place instead, unless no count at the live delay meets the target (ceiling 1)
+    # first would be 1 x 2000us, a full reload that starts every instance again (cold, for a model that starts
+    # cold) while the load rises; the second instance in place is taken instead, unless no count at the live delay
+    # meets the target (ceiling 1). The decision names what it passed over.
     monkeypatch.setattr(planner, "predict", _fake_predict(
         lambda s: 20.0 if s.instance_count > 1 else 30.0 if s.max_queue_delay_us == 2000 else 38.0))
     p = run(S(1), 255.0, inputs(1, 2), ceiling=ceiling, starts_cold=starts_cold)
     assert p.target == expected, (p.reason, p.detail)
+    if expected == S(2, 0):
+        assert p.reason == "ScaleUpPredicted" and "in place rather than 1x2000us" in p.detail, p.detail
+
+
+def test_a_scale_up_at_the_live_delay_keeps_that_delay(monkeypatch):
+    # live 2 x 2000us misses (40 ms); 3 instances meet at either delay (20 ms): the third is added in place at
+    # 2000us, not by a full reload to 3 x 0us (the shortest delay of that count)
+    monkeypatch.setattr(planner, "predict", _fake_predict(lambda s: 20.0 if s.instance_count > 2 else 40.0))
+    p = run(S(2, 2000), 255.0, inputs(1, 2), ceiling=4)
+    assert p.target == S(3, 2000) and "in place rather than 3x0us" in p.detail, (p.reason, p.detail)
 
 
 def test_a_model_that_starts_cold_keeps_its_delay_off_peak():
@@ -762,21 +774,23 @@ def test_a_model_that_starts_cold_keeps_its_delay_off_peak():
 
 
 def test_a_delay_measured_worse_than_predicted_is_not_chosen_again(monkeypatch):
-    # one instance at 0 us is over the margin (38 > 36 ms), at 2000 us predicted under it (30 ms), two
-    # instances at 20 ms: the fewest instances come first, so without a memory 1 x 2000us is chosen
+    # one instance at 0 us is over the margin (38 > 36 ms), at 2000 us predicted under it (30 ms); two instances
+    # at 0 us over it too (37: the device the limit), at 2000 us at 20 ms: no count at the live delay meets, the
+    # fewest instances come first, so without a memory 1 x 2000us is chosen
     monkeypatch.setattr(planner, "predict", _fake_predict(
-        lambda s: 20.0 if s.instance_count > 1 else 30.0 if s.max_queue_delay_us == 2000 else 38.0))
-    assert run(S(1), 255.0, inputs(1, 2)).target == S(1, 2000)
+        lambda s: (20.0 if s.instance_count > 1 else 30.0) if s.max_queue_delay_us == 2000
+        else 37.0 + (s.instance_count < 2)))
+    assert run(S(1), 255.0, inputs(1, 2), ceiling=2).target == S(1, 2000)
     # it ran 1.4x slower than predicted (one window): not chosen again while that counts ...
     state = record_ratio(PlannerState(), 1.4 * 30.0, 30.0, "trace", 200, 99.0, live=S(1, 2000))
     state = dataclasses.replace(state, ratios=())
-    assert run(S(1), 255.0, inputs(1, 2), state, now=100.0).target == S(2)
+    assert run(S(1), 255.0, inputs(1, 2), state, now=100.0, ceiling=2).target == S(2, 2000)
     # ... for as long as a recent ratio is; then tried once more, ran 1.4x slower again: set aside 15 minutes
     retry_at = 99.0 + planner.RATIO_MAX_AGE_S + 1
-    assert run(S(1), 255.0, inputs(1, 2), state, now=retry_at).target == S(1, 2000)
+    assert run(S(1), 255.0, inputs(1, 2), state, now=retry_at, ceiling=2).target == S(1, 2000)
     state = record_ratio(state, 1.4 * 30.0, 30.0, "trace", 200, retry_at + 10.0, live=S(1, 2000))
     state = dataclasses.replace(state, ratios=())
-    assert run(S(1), 255.0, inputs(1, 2), state, now=retry_at + 800.0).target == S(2)
+    assert run(S(1), 255.0, inputs(1, 2), state, now=retry_at + 800.0, ceiling=2).target == S(2, 2000)
 
 
 def test_a_delay_needs_a_clear_predicted_gain_over_the_shortest():
