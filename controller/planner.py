@@ -1057,23 +1057,25 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         return n < live.instance_count or (n == live.instance_count and d < live.max_queue_delay_us)
 
     def fewest(under_ms: float, longest_us: int | None = None,
-               at: Callable[[Settings], Candidate | None] | None = None, most: int | None = None) -> Candidate | None:
-        """The fewest instances (up to `most`), then the shortest delay (up to `longest_us`), predicted under
-        `under_ms` (by `at`: at the forecast's high end unless given).
+               at: Callable[[Settings], Candidate | None] | None = None, most: int | None = None,
+               among: Sequence[int] | None = None) -> Candidate | None:
+        """The fewest instances (up to `most`), then the shortest delay (up to `longest_us`; of `among`, else of
+        `delays`), predicted under `under_ms` (by `at`: at the forecast's high end unless given).
 
         A longer delay is taken over its count's shortest only for a clear predicted gain (DELAY_MIN_GAIN); one
         passed over for that is still taken where the count above would need a longer delay too and is predicted
         no faster. Why: the skip sent host_heavy's planner from 3 x 8000us (43.2 ms, against 3 x 0us at 45.4) to
         4 x 8000us (44.6 ms): a full reload as well, one instance more, and slower by the same model."""
         at = at or at_hi
+        ds = delays if among is None else among
         passed: Candidate | None = None      # the first longer delay that met `under_ms` without a clear gain
         top = max(ceiling, min_instances) if most is None else min(max(ceiling, min_instances), most)
         for n in range(min_instances, top + 1):
-            shortest = at(Settings(n, delays[0]))
+            shortest = at(Settings(n, ds[0]))
             # why: at a stable shortest delay far over the limit no delay rescues this count (a delay moves
             # p99 by the batching it adds, a fraction of it); skipping those saves most of the simulations
             hopeless = shortest is not None and math.isfinite(shortest.p99_ms) and shortest.p99_ms > 2 * under_ms
-            for d in delays[:1] if hopeless else delays:
+            for d in ds[:1] if hopeless else ds:
                 if longest_us is not None and d > longest_us:
                     break
                 if not reloadable(Settings(n, d)):
@@ -1083,8 +1085,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
                     continue
                 # why: a longer delay costs a full reload and adds latency when the load falls; it is chosen
                 # over the shortest only for a clear predicted gain, not for noise in the last digits
-                if d == delays[0] or shortest is None or c.p99_ms <= DELAY_MIN_GAIN * shortest.p99_ms:
-                    return passed if passed is not None and d != delays[0] and passed.p99_ms <= c.p99_ms else c
+                if d == ds[0] or shortest is None or c.p99_ms <= DELAY_MIN_GAIN * shortest.p99_ms:
+                    return passed if passed is not None and d != ds[0] and passed.p99_ms <= c.p99_ms else c
                 if passed is None:
                     passed = c
         return None
@@ -1216,11 +1218,9 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         delays = every_delay
         chosen = fewest(limit)
     elif chosen is not None and scale_up and delays != every_delay:
-        delays = every_delay
-        other = fewest(limit)
+        other = fewest(limit, among=every_delay)       # only to name what the live delay's choice passed over
         if other is not None and other.settings != chosen.settings:
             in_place_over = other
-        delays = [live.max_queue_delay_us] if starts_cold else every_delay
     common = dict(live=live_c, band=band, correction=factor)
     jitter = model.jitter(live.instance_count)
     where = (f"forecast {band[0]:.0f}-{band[2]:.0f} req/s in {horizon:.1f} s; live {_desc(live_c)}; "

@@ -436,8 +436,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                 when += f"; now: {NOW_WHY.get(now, now)}"
             rows.append(("load", f"{_num(o.get('arrival_rps'))} req/s arriving, {_num(o.get('completion_rps'))} req/s done"
                          + (f", {_num(o.get('failure_rps'), 2)} failing" if o.get("failure_rps") else "") + when))
-            tracing = m.get("tracing", "?")
-            tracing = "off, see above" if tracing.startswith("off") else tracing   # the header says why, once
+            tracing = "off, see above" if tracing_off else m.get("tracing", "?")   # the header says why, once
             if o.get("p99_ms") is not None:
                 source = o.get("p99_source", "?")
                 if o.get("p99_samples"):
