@@ -146,6 +146,8 @@ def summarize_obs(obs: Observation) -> dict:
         out["warming_up"] = True
     if obs.predicted_p99_ms is not None:
         out["predicted_p99_ms"] = r(obs.predicted_p99_ms)
+    if obs.predicted_mean_ms is not None:
+        out["predicted_mean_ms"] = r(obs.predicted_mean_ms)
     if obs.service is not None:
         out["service"] = obs.service.summary()
     if obs.jitter is not None:

@@ -192,9 +192,10 @@ class ModelObserver:
             parts = self._window_parts(obs) if fit is not None else []   # once a tick, for both uses
             if fit is not None:
                 self._note_implicit(now, obs, live, max(1, max_batch_size), fit, jitter, parts)
+            p99, mean = (None, None) if fit is None else \
+                self._window_prediction(obs, live, max(1, max_batch_size), fit, jitter, parts)
             obs = dataclasses.replace(obs, service=fit, jitter=jitter, cold_start=self.service.cold_start(),
-                                      predicted_p99_ms=None if fit is None else
-                                      self._window_p99(obs, live, max(1, max_batch_size), fit, jitter, parts))
+                                      predicted_p99_ms=p99, predicted_mean_ms=mean)
         self.last = obs
         return obs
 
@@ -259,21 +260,25 @@ class ModelObserver:
         self._implicit.append(step)
         self.implicit_us = sorted(self._implicit)[len(self._implicit) // 2]
 
-    def _window_p99(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None,
-                    parts: list[tuple[float, float]]) -> float | None:
-        """The live configuration's predicted p99 over the window, for the planner's check of itself against
-        the traced one: one simulation per load the window's ticks held (`rate_components`: one under a
-        steady load or a ramp, two under on/off bursts), their tails mixed by their requests (`mixture_p99`),
-        so that the bursts' queueing is predicted rather than read as model error, and a window that holds
-        one more or one less burst tick moves the prediction a little, not from the lull's p99 to the burst's."""
+    def _window_prediction(self, obs: Observation, live: Settings, max_batch: int, fit, jitter: Jitter | None,
+                           parts: list[tuple[float, float]]) -> tuple[float | None, float | None]:
+        """The live configuration's predicted (p99, mean latency) over the window, for the planner's check of
+        itself against the measured ones (the traced p99; the counters' mean where nothing is traced): one
+        simulation per load the window's ticks held (`rate_components`: one under a steady load or a ramp, two
+        under on/off bursts), their tails mixed by their requests (`mixture_p99`), so that the bursts' queueing
+        is predicted rather than read as model error, and a window that holds one more or one less burst tick
+        moves the prediction a little, not from the lull's p99 to the burst's. The mean is the parts' means
+        weighted by their requests (exact for a mixture). Example: 70% of the requests at 380 req/s (mean 18 ms),
+        30% at 100 req/s (mean 11 ms): mean 15.9 ms."""
         delay_us = live.max_queue_delay_us + self.implicit_us      # as the planner simulates it (planner.predict)
         sims = [(simulate_quantised(rate, live.instance_count, delay_us, max_batch, fit.predict_ms, jitter,
                                      self.items_per_request), share) for rate, share in parts]
         if any(p is None for p, _ in sims):
             single = simulate_quantised(obs.arrival_rps, live.instance_count, delay_us, max_batch, fit.predict_ms,
                                         jitter, self.items_per_request)
-            return None if single is None else single.p99_ms
-        return mixture_p99(sims)
+            return (None, None) if single is None else (single.p99_ms, single.mean_ms)
+        total = sum(share for _, share in sims)
+        return mixture_p99(sims), sum(p.mean_ms * share for p, share in sims) / total
 
     def _executed_at(self, t: float) -> _Read | None:
         """(chain, executions, ns executing, the statistics) read at the tick of time t, or None."""

@@ -61,6 +61,7 @@ class Observation:
     p99_source: str = "none"              # "trace" | "summary" | "mean_x_tail_ratio" | "interval_mean_max" | "none"
     p99_samples: int = 0                  # with "trace": the sampled requests behind the figure
     predicted_p99_ms: float | None = None  # planner.simulate for the live config at this arrival rate (the planner's check)
+    predicted_mean_ms: float | None = None  # ... and its mean latency (the check where no request is traced)
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
     busy_source: str = "requests"         # "batch_stats" (exact: observer) | "requests" (signals.busy_fraction: reads high)
     gpus: tuple[GpuObservation, ...] = ()

@@ -2,6 +2,8 @@
 utilisation averaged over the observation's span (the rates it is divided by cover the span)."""
 from __future__ import annotations
 
+import pytest
+
 from controller.observer import ModelObserver
 from controller.signals import BatchStat, ModelCounters, StatsCounters
 from controller.types import GpuObservation, Observation, Settings
@@ -64,7 +66,7 @@ def test_the_window_p99_mixes_bursts_and_lulls_and_moves_little_with_one_burst_t
             f = f.update(float(t), r)
         o.forecast = f
         obs = SimpleNamespace(since=-0.5, arrival_rps=sum(rates) / len(rates))
-        return o._window_p99(obs, LIVE, 8, fit, None, o._window_parts(obs))
+        return o._window_prediction(obs, LIVE, 8, fit, None, o._window_parts(obs))[0]
 
     lull, burst = simulate_quantised(100.0, 1, 0, 8, fit.predict_ms).p99_ms, simulate_quantised(
         378.0, 1, 0, 8, fit.predict_ms).p99_ms
@@ -75,6 +77,33 @@ def test_the_window_p99_mixes_bursts_and_lulls_and_moves_little_with_one_burst_t
     assert four - two < 0.35 * (burst - lull)           # one burst tick less moves it a little, not lull <-> burst
     steady = window_p99([200.0] * 10)                   # one load: the simulation at its rate
     assert steady == simulate_quantised(200.0, 1, 0, 8, fit.predict_ms).p99_ms
+
+
+def test_the_window_mean_weighs_each_load_by_its_requests():
+    from types import SimpleNamespace
+
+    from controller.planner import Forecast, simulate_quantised
+
+    fit = SimpleNamespace(predict_ms=lambda b: 6.0 + 1.5 * b)
+    rates = [100.0] * 6 + [378.0] * 4
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    f = Forecast.start(0.0, rates[0])
+    for t, r in enumerate(rates[1:], start=1):
+        f = f.update(float(t), r)
+    o.forecast = f
+    obs = SimpleNamespace(since=-0.5, arrival_rps=sum(rates) / len(rates))
+    parts = o._window_parts(obs)
+    assert len(parts) == 2
+    p99, mean = o._window_prediction(obs, LIVE, 8, fit, None, parts)
+    by_part = [(simulate_quantised(r, 1, 0, 8, fit.predict_ms).mean_ms, w) for r, w in parts]
+    assert mean == pytest.approx(sum(m * w for m, w in by_part) / sum(w for _, w in by_part))
+    lull_mean, burst_mean = sorted(m for m, _ in by_part)
+    assert lull_mean < mean < burst_mean and mean < p99
+    # one load: the simulation's own mean
+    o.forecast = None
+    one = SimpleNamespace(since=-0.5, arrival_rps=200.0)
+    assert o._window_prediction(one, LIVE, 8, fit, None, o._window_parts(one))[1] == \
+        simulate_quantised(200.0, 1, 0, 8, fit.predict_ms).mean_ms
 
 
 # The busy fraction: exact from `batch_stats` (each execution once), the request counters' estimate otherwise.
