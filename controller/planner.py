@@ -12,7 +12,9 @@ Sections, in the order a decision uses them:
 
 Each observation also carries the p99 predicted for the live configuration at the measured rate
 (`Observation.predicted_p99_ms`), logged beside the measured one: the ratio of the two corrects
-every prediction, and a large disagreement sets the planner aside.
+every prediction, and a large disagreement sets the planner aside. Where no request is traced (Triton
+before 2.57 under `tracing: auto`), the check is the counters' mean latency, which they measure exactly,
+against the simulation's mean (`Observation.predicted_mean_ms`): see `record_ratio`.
 
 The model is a small event simulation of Triton's dynamic batcher in front of `n` instances:
 
@@ -809,7 +811,8 @@ DELAY_MIN_GAIN = 0.9         # a longer delay is chosen over the shortest only i
 BEST_EFFORT_GAIN = 0.9       # where nothing meets: a change only for a p99 predicted 10% lower (where neither
                              # holds the load: for a sustained rate 1/0.9 = 11% higher)
 RATIO_MAX_AGE_S = 90.0
-MIN_RATIO_SAMPLES = 20       # a window's traced p99 rests on at least this many requests to count
+MIN_RATIO_SAMPLES = 20       # a window's traced p99 (or, untraced, its mean) rests on at least this many requests
+RATIO_SOURCES = ("trace", "mean")   # what a window's ratio compares: traced p99s, or (untraced) mean latencies
 OBSERVED_OK_SAMPLES = 100    # a scale-up is held when the live config was seen meeting the margin: over this many
 OBSERVED_OK_AGE_S = 2.0      # traced requests, with the forecast's high end reached at least this long ago
 
@@ -824,6 +827,7 @@ class PlannerState:
                                                       # did when live
     smaller_ticks: int = 0                            # a smaller configuration met CONSOLIDATE_MARGIN this many decisions in a row
     smaller_best: Settings | None = None              # the largest of those smaller choices (the safe one)
+    ratio_source: str = ""                            # what the last recorded window compared (RATIO_SOURCES)
     reload_s: float = 2.0                             # how long an applied change took (EWMA)
 
 
@@ -853,11 +857,29 @@ def own_ratio(ratios: tuple[float, ...], since_s: float) -> float | None:
     return ratios[-1] if since_s <= RATIO_MAX_AGE_S else None
 
 
-def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99: float | None, source: str,
+def record_ratio(state: PlannerState, observed: float | None, predicted: float | None, source: str,
                  samples: int, now: float, live: Settings | None = None, since: float | None = None) -> PlannerState:
-    """Keep observed/predicted p99 of a window whose p99 was traced on enough requests: in the recent
-    windows (the correction of every prediction) and, per configuration, as what that configuration
-    did when it was live (the correction of its own predictions when it is a candidate again).
+    """Keep observed/predicted of a window measured on enough requests (`samples`): in the recent windows
+    (the correction of every prediction) and, per configuration, as what that configuration did when it
+    was live (the correction of its own predictions when it is a candidate again).
+
+    `source` says what is compared: "trace", the traced p99 against the predicted p99; "mean", where nothing
+    is traced, the counters' mean latency (exact: every request's time over their count) against the
+    simulation's mean for the same window. Any other source (a p99 estimated from the counters, Triton's
+    minute-old summary) is not a measurement of this window's p99 and is not recorded. Why the mean stands in
+    for the p99 untraced: an error of the model's service times (a contention the curve missed, a host cost
+    outside the measured compute) moves the whole distribution, its mean as much as its tail, and the mean
+    is measured exactly where the p99 is only estimated, by the same ratio, so comparing that estimate with
+    the prediction would say nothing. What the mean does not see is a tail the model misses with the right
+    mean (execution jitter, which untraced is not measured either), so a mean ratio only ever raises the
+    predictions: one under 1 is recorded as 1. Measured traced, both ratios side by side (r82, 140-170 windows
+    each): the CPU torch model's means ran at 0.89 of the prediction while its p99s ran at 1.21; applied as a
+    correction, the mean would have lowered p99s the model already under-predicted. sim_accel 1.00 / 1.05,
+    sim_wide 1.00 / 1.01, sim_host 0.94 / 0.89. So a model whose means run slow is corrected and, past
+    1 + DISAGREE, set aside for the reactive rules; one whose means run fast is left as predicted (it may
+    over-provision, never under-). Example: a window untraced over 900 requests, mean 19.8 ms where the
+    simulation's mean is 16.5 ms: ratio 1.2, and every prediction is multiplied by it as by a traced window's;
+    mean 14.0 ms: recorded as 1.0.
 
     `since`: where the window began (None: unknown, taken as new). A window that overlaps the last one
     recorded is skipped: decisions come every tick, windows span many ticks, and a one-second stall would
@@ -869,13 +891,13 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
     What a configuration did when live is its last windows' ratios, each clipped to `CORRECTION_BOUNDS`,
     read by `own_ratio`: one bad window counts for 90 s, two for 15 minutes. A delay that really ran worse
     than predicted is set aside for 90 s after one window and, tried again and worse again, for 15 minutes."""
-    if (observed_p99 is None or predicted_p99 is None or source != "trace" or samples < MIN_RATIO_SAMPLES
-            or predicted_p99 <= 0 or not math.isfinite(predicted_p99)):
+    if (observed is None or predicted is None or source not in RATIO_SOURCES or samples < MIN_RATIO_SAMPLES
+            or predicted <= 0 or not math.isfinite(predicted) or observed <= 0):
         return state
     last = state.ratios[-1][0] if state.ratios else None     # end of the last recorded window
     if since is not None and last is not None and since < last <= now:
         return state
-    ratio = observed_p99 / predicted_p99
+    ratio = observed / predicted if source == "trace" else max(1.0, observed / predicted)
     kept = tuple(r for r in state.ratios if now - r[0] <= RATIO_MAX_AGE_S)
     by_config = state.by_config
     if live is not None:
@@ -884,7 +906,8 @@ def record_ratio(state: PlannerState, observed_p99: float | None, predicted_p99:
         mine = (old + (bounded(ratio),))[-CONFIG_RATIO_CONFIRMED:]
         by_config = tuple(x for x in by_config if x[0] != live)
         by_config = (by_config + ((live, now, mine),))[-CONFIG_RATIO_KEPT:]
-    return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config)
+    return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config,
+                               ratio_source=source)
 
 
 def config_correction(state: PlannerState, settings: Settings, default: float, now: float) -> float:
@@ -1019,7 +1042,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         return fallback("too little data: no service curve measured for the live instance count yet", state)
     factor, raw = correction(state, now)
     if raw is not None and not (1 - DISAGREE) <= raw <= 1 + DISAGREE:
-        return fallback(f"observed p99 is {raw:.2f}x the predicted over recent windows", state)
+        what = "mean latency" if state.ratio_source == "mean" else "p99"
+        return fallback(f"observed {what} is {raw:.2f}x the predicted over recent windows", state)
     horizon = state.reload_s + inputs.interval_s
     if inputs.forecast is not None and inputs.forecast.ticks >= 3:
         band = inputs.forecast.band(horizon)
@@ -1227,7 +1251,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
              f"gamma {model.gamma:.2f} ({model.gamma_source}), "
              + (f"batcher's own wait {model.implicit_us} us (measured), " if model.implicit_us else "")
              + (f"executions p99 {jitter.at(0.99):.1f}x their mean, " if jitter is not None and jitter.quantiles else "")
-             + f"correction {factor:.2f}")
+             + f"correction {factor:.2f}" + (" (from mean latencies)" if state.ratio_source == "mean" else ""))
     keep = dataclasses.replace(state, smaller_ticks=0, smaller_best=None)
     if live_c is not None and live_c.meets:
         # consolidation: the fewest predicted under the stricter margin (not the fewest under 0.9x: that one

@@ -619,6 +619,17 @@ def observed_ok(obs: Observation, plan: "planner.Plan", inputs: PlanInputs, limi
             f"target) in a window whose ticks reached {peak:.0f} req/s, the forecast's high end {hi:.0f}")
 
 
+def window_check(obs: Observation) -> tuple[float | None, float | None, str, int]:
+    """What the planner checks itself against in this window (`planner.record_ratio`): (observed, predicted,
+    source, requests). The traced p99 where requests were traced; otherwise the counters' mean latency against
+    the predicted mean, over the window's completed requests. Example: untraced, 10 s at 90 req/s completed,
+    mean 12.1 ms, predicted mean 11.0 -> (12.1, 11.0, "mean", 900): ratio 1.1."""
+    if obs.p99_source == "trace":
+        return obs.p99_ms, obs.predicted_p99_ms, "trace", obs.p99_samples
+    return (obs.request_ms_mean if obs.request_ms_mean > 0 else None, obs.predicted_mean_ms, "mean",
+            int(round(obs.completion_rps * obs.span_s)))
+
+
 def decide_by_model(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float,
                     inputs: PlanInputs) -> tuple[Decision | None, PolicyState, str | None]:
     """Instances and delay from the planner (planner.choose); (None, state, why) when it stands aside.
@@ -632,8 +643,8 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
     if n > ceiling or n < limits.min_instances:
         return None, state, None
     # why: a span holding the model's first executions measures its warm-up, not the model (observer._warming_up)
-    pstate = state.plan if obs.warming_up else planner.record_ratio(
-        state.plan, obs.p99_ms, obs.predicted_p99_ms, obs.p99_source, obs.p99_samples, now, current, since=obs.since)
+    pstate = state.plan if obs.warming_up else planner.record_ratio(state.plan, *window_check(obs), now, current,
+                                                                     since=obs.since)
     delay_allowed = (limits.max_delay_us > limits.min_delay_us
                      and now - state.last_delay_change_at >= limits.delay_cooldown_s
                      and full_reload_fits(current, limits, state, obs))

@@ -65,3 +65,23 @@ def test_cli_prints_a_row_per_model_and_refuses_a_missing_log(tmp_path, capsys):
     assert main([str(tmp_path / "nope.jsonl")]) == 2
     assert "no such observation log" in capsys.readouterr().err
     assert main([str(log), "--min-samples", "0"]) == 2
+
+
+def test_mean_mode_compares_the_counters_mean_with_the_predicted_mean_traced_or_not(tmp_path, capsys):
+    def tick(mean, predicted_mean, rps=50.0, span=10.0, source="mean_x_tail_ratio"):
+        return _tick(observed=40.0, predicted=20.0, source=source, samples=0, mean_ms=mean,
+                     predicted_mean_ms=predicted_mean, completion_rps=rps, span_s=span)
+
+    lines = [tick(11.0, 10.0),                        # 500 requests: 1.10
+             tick(9.0, 10.0, source="trace"),          # traced windows count too: 0.90
+             tick(30.0, 10.0, rps=5.0, span=10.0),     # 50 requests: too few at the default 100
+             tick(12.0, None),                         # no predicted mean (no curve yet)
+             tick(12.0, 10.0, rps=None)]               # no rate: the requests are unknown
+    log = tmp_path / "obs.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    assert ratios(read_rotated(log), mean=True) == {"m": [pytest.approx(1.10), pytest.approx(0.90)]}
+    assert ratios(read_rotated(log)) == {}              # the p99 mode: nothing traced with samples
+    assert main([str(log), "--mean"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "median observed/predicted mean" in out[0]
+    assert out[2] == f"| {log} | m | 2 | 1.00 | 0.10 | 0.10 | 100% |"

@@ -523,6 +523,46 @@ def test_only_traced_windows_with_enough_samples_correct_the_model_and_old_ones_
     assert correction(s, 0.0 + planner.RATIO_MAX_AGE_S + 1) == (1.0, None)
 
 
+def test_an_untraced_window_corrects_the_model_by_its_mean_latency():
+    # the docstring's example: 900 requests untraced, mean 19.8 ms against a predicted mean of 16.5 -> 1.2
+    s = record_ratio(PlannerState(), 19.8, 16.5, "mean", 900, 0.0, live=S(2))
+    assert correction(s, 5.0) == (pytest.approx(1.2), pytest.approx(1.2)) and s.ratio_source == "mean"
+    assert planner.config_correction(s, S(2), 1.0, 5.0) == pytest.approx(1.2)
+    # the same thresholds as a traced window's: too few requests, no mean, no prediction: nothing recorded
+    e = PlannerState()
+    assert record_ratio(e, 19.8, 16.5, "mean", planner.MIN_RATIO_SAMPLES - 1, 0.0) is e
+    assert record_ratio(e, None, 16.5, "mean", 900, 0.0) is e
+    assert record_ratio(e, 19.8, None, "mean", 900, 0.0) is e
+    assert record_ratio(e, 0.0, 16.5, "mean", 900, 0.0) is e
+    # a mean faster than predicted does not lower the predictions (a tail may still be heavier than modelled)
+    fast = record_ratio(PlannerState(), 14.0, 16.5, "mean", 900, 0.0, live=S(2))
+    assert correction(fast, 5.0) == (1.0, 1.0) and planner.config_correction(fast, S(2), 1.0, 5.0) == 1.0
+    traced_fast = record_ratio(PlannerState(), 14.0, 16.5, "trace", 900, 0.0)
+    assert correction(traced_fast, 5.0)[1] == pytest.approx(14.0 / 16.5)     # a traced p99 does
+    # and the guard: a model whose means run 2x what it predicts is set aside, the reason naming the means
+    for k in range(3):
+        e = record_ratio(e, 33.0, 16.5, "mean", 900, 100.0 + 10 * k)
+    p = run(S(1), 100.0, inputs(1), e, now=121.0)
+    assert not p.usable and p.detail == "observed mean latency is 2.00x the predicted over recent windows"
+    # within the bounds, the decision says where its correction came from
+    ok = record_ratio(PlannerState(), 11.0, 10.0, "mean", 900, 120.0)
+    p = run(S(1), 100.0, inputs(1), ok, now=121.0)
+    assert p.usable and "correction 1.10 (from mean latencies)" in p.detail, p.detail
+
+
+def test_the_policy_checks_the_traced_p99_where_traced_and_the_mean_where_not():
+    traced = obs(100.0, p99_ms=22.0, predicted_p99_ms=20.0, predicted_mean_ms=5.0)
+    assert policy.window_check(traced) == (22.0, 20.0, "trace", 200)
+    # untraced: the counters' estimate of the p99 is not a measurement; their mean (10 ms) is
+    untraced = obs(100.0, p99_ms=30.0, p99_source="mean_x_tail_ratio", p99_samples=0, predicted_mean_ms=8.0)
+    assert policy.window_check(untraced) == (10.0, 8.0, "mean", 1000)
+    _, after = decide(untraced, S(1))
+    assert [r for _, r in after.plan.ratios] == [pytest.approx(1.25)] and after.plan.ratio_source == "mean"
+    # a window that completed nothing has no mean to compare
+    idle = obs(0.0, completion_rps=0.0, request_ms_mean=0.0, p99_ms=None, p99_source="none", predicted_mean_ms=8.0)
+    assert policy.window_check(idle)[0] is None
+
+
 # ---- the policy with the planner on --------------------------------------------------------------
 
 NOW = 1000.0

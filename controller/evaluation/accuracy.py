@@ -1,6 +1,9 @@
-"""How close the planner's model is to the server: its p99 for the live configuration against the traced one.
+"""How close the planner's model is to the server: its p99 for the live configuration against the traced one
+(or, with `--mean`, its mean latency against the counters' mean: the check the planner corrects itself by where
+nothing is traced, `planner.record_ratio`).
 
     python -m controller.evaluation.accuracy results/r13/shift/adaptive_observations.jsonl [more logs ...]
+    python -m controller.evaluation.accuracy --mean results/r82/shift/adaptive_observations.jsonl
 
 Reads observation logs, with their rotated files (`<log>.1`, ...): the controller writes one where
 `loop.observation_log` is set in its config, and the bench's adaptive arm always does
@@ -8,7 +11,9 @@ Reads observation logs, with their rotated files (`<log>.1`, ...): the controlle
 came from request traces over at least `--min-samples` requests and the planner predicted the live
 configuration at the measured arrival rate (`predicted_p99_ms`: the raw simulation, before the
 observed/predicted correction). Per log and model it prints the ticks counted, the median of observed /
-predicted, the median and 90th percentile of |ratio - 1|, and the share of ticks within 15%.
+predicted, the median and 90th percentile of |ratio - 1|, and the share of ticks within 15%. With `--mean` a tick
+counts where the window completed at least `--min-samples` requests and holds both means (`mean_ms`,
+`predicted_mean_ms`), traced or not.
 
 Example: ratios 1.04, 0.95, 1.10, 1.40 -> median 1.07; |ratio - 1| 0.04, 0.05, 0.10, 0.40 -> median 0.075,
 p90 0.31 (linear interpolation), within 15%: 3 of 4 = 75%.
@@ -41,14 +46,23 @@ class Accuracy:
     within: float         # share of ticks with |ratio - 1| <= WITHIN
 
 
-def ratios(records: Iterable[dict], min_samples: int = MIN_SAMPLES) -> dict[str, list[float]]:
-    """observed / predicted p99 per model, from an observation log's records (`decision_log.read_rotated`)."""
+def _requests(obs: dict) -> float | None:
+    rate, span = obs.get("completion_rps"), obs.get("span_s")
+    return rate * span if isinstance(rate, (int, float)) and isinstance(span, (int, float)) else None
+
+
+def ratios(records: Iterable[dict], min_samples: int = MIN_SAMPLES, mean: bool = False) -> dict[str, list[float]]:
+    """observed / predicted p99 (`mean`: mean latency) per model, from an observation log's records
+    (`decision_log.read_rotated`)."""
     out: dict[str, list[float]] = {}
     for row in records:
         obs = row.get("obs")
-        if not isinstance(obs, dict) or obs.get("p99_source") != "trace":
+        if not isinstance(obs, dict) or (not mean and obs.get("p99_source") != "trace"):
             continue
-        observed, predicted, samples = obs.get("p99_ms"), obs.get("predicted_p99_ms"), obs.get("p99_samples")
+        if mean:
+            observed, predicted, samples = obs.get("mean_ms"), obs.get("predicted_mean_ms"), _requests(obs)
+        else:
+            observed, predicted, samples = obs.get("p99_ms"), obs.get("predicted_p99_ms"), obs.get("p99_samples")
         if not all(isinstance(x, (int, float)) for x in (observed, predicted, samples)) or samples < min_samples:
             continue
         if not (math.isfinite(observed) and math.isfinite(predicted)) or observed <= 0 or predicted <= 0:
@@ -66,11 +80,12 @@ def summarise(values: list[float]) -> Accuracy | None:
                     float(np.mean(err <= WITHIN + 1e-12)))
 
 
-def table(paths: list[Path], min_samples: int = MIN_SAMPLES) -> str:
-    lines = [f"| log | model | ticks | median observed/predicted | median abs(ratio - 1) | p90 | within {WITHIN:.0%} |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+def table(paths: list[Path], min_samples: int = MIN_SAMPLES, mean: bool = False) -> str:
+    what = "mean" if mean else "p99"
+    lines = [f"| log | model | ticks | median observed/predicted {what} | median abs(ratio - 1) | p90 | "
+             f"within {WITHIN:.0%} |", "|---|---|---:|---:|---:|---:|---:|"]
     for path in paths:
-        per_model, name = ratios(read_rotated(path), min_samples), str(path)
+        per_model, name = ratios(read_rotated(path), min_samples, mean), str(path)
         if not per_model:
             lines.append(f"| {name} | - | 0 | - | - | - | - |")
         for model, values in sorted(per_model.items()):
@@ -81,11 +96,17 @@ def table(paths: list[Path], min_samples: int = MIN_SAMPLES) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m controller.evaluation.accuracy",
-                                     description="the planner's predicted p99 of the live configuration against the traced p99")
+    parser = argparse.ArgumentParser(
+        prog="python -m controller.evaluation.accuracy",
+        description="the planner's predicted p99 of the live configuration against the traced p99 "
+                    "(--mean: its mean against the counters' mean)")
     parser.add_argument("logs", nargs="+", type=Path, help="observation logs (JSONL)")
     parser.add_argument("--min-samples", type=int, default=MIN_SAMPLES,
-                        help=f"traced requests a tick's p99 needs to count (default {MIN_SAMPLES})")
+                        help=f"traced requests a tick's p99 (with --mean: completed requests) needs to count "
+                             f"(default {MIN_SAMPLES})")
+    parser.add_argument("--mean", action="store_true",
+                        help="compare mean latencies (the counters' against the predicted): the planner's check "
+                             "where nothing is traced")
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.logs if not p.is_file()]
     if missing:
@@ -94,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_samples < 1:
         print("error: --min-samples must be at least 1", file=sys.stderr)
         return 2
-    print(table(args.logs, args.min_samples))
+    print(table(args.logs, args.min_samples, args.mean))
     return 0
 
 
