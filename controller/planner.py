@@ -868,14 +868,14 @@ def record_ratio(state: PlannerState, observed: float | None, predicted: float |
     simulation's mean for the same window. Any other source (a p99 estimated from the counters, Triton's
     minute-old summary) is not a measurement of this window's p99 and is not recorded. Why the mean stands in
     for the p99 untraced: an error of the model's service times (a contention the curve missed, a host cost
-    outside the measured compute) moves the whole distribution, its mean as much as its tail, and the mean
-    is measured exactly where the p99 is only estimated, by the same ratio, so comparing that estimate with
-    the prediction would say nothing. What the mean does not see is a tail the model misses with the right
+    outside the measured compute) moves the whole distribution, its mean as much as its tail; the mean is
+    measured exactly, while the untraced p99 is that mean times a tail ratio learned from Triton's summaries,
+    so checking that estimate against the prediction would only add the tail ratio's error. What the mean does not see is a tail the model misses with the right
     mean (execution jitter, which untraced is not measured either), so a mean ratio only ever raises the
-    predictions: one under 1 is recorded as 1. Measured traced, both ratios side by side (r82, 140-170 windows
-    each): the CPU torch model's means ran at 0.89 of the prediction while its p99s ran at 1.21; applied as a
+    predictions: one under 1 is recorded as 1. Measured traced, both ratios side by side (r82, 137-177 ticks
+    each): the CPU torch model's means ran at 0.90 of the prediction while its p99s ran at 1.21; applied as a
     correction, the mean would have lowered p99s the model already under-predicted. sim_accel 1.00 / 1.05,
-    sim_wide 1.00 / 1.01, sim_host 0.94 / 0.89. So a model whose means run slow is corrected and, past
+    sim_wide 1.00 / 1.01, sim_host 0.95 / 0.92. So a model whose means run slow is corrected and, past
     1 + DISAGREE, set aside for the reactive rules; one whose means run fast is left as predicted (it may
     over-provision, never under-). Example: a window untraced over 900 requests, mean 19.8 ms where the
     simulation's mean is 16.5 ms: ratio 1.2, and every prediction is multiplied by it as by a traced window's;
@@ -1251,7 +1251,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
              f"gamma {model.gamma:.2f} ({model.gamma_source}), "
              + (f"batcher's own wait {model.implicit_us} us (measured), " if model.implicit_us else "")
              + (f"executions p99 {jitter.at(0.99):.1f}x their mean, " if jitter is not None and jitter.quantiles else "")
-             + f"correction {factor:.2f}" + (" (from mean latencies)" if state.ratio_source == "mean" else ""))
+             + f"correction {factor:.2f}" + (" (from mean latencies)" if raw is not None and state.ratio_source == "mean"
+                                             else ""))
     keep = dataclasses.replace(state, smaller_ticks=0, smaller_best=None)
     if live_c is not None and live_c.meets:
         # consolidation: the fewest predicted under the stricter margin (not the fewest under 0.9x: that one

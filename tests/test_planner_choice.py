@@ -548,6 +548,9 @@ def test_an_untraced_window_corrects_the_model_by_its_mean_latency():
     ok = record_ratio(PlannerState(), 11.0, 10.0, "mean", 900, 120.0)
     p = run(S(1), 100.0, inputs(1), ok, now=121.0)
     assert p.usable and "correction 1.10 (from mean latencies)" in p.detail, p.detail
+    # once that window is older than a recent ratio counts, the correction is 1 and no longer the means'
+    p = run(S(1), 100.0, inputs(1), ok, now=121.0 + planner.RATIO_MAX_AGE_S)
+    assert p.usable and "correction 1.00" in p.detail and "mean latencies" not in p.detail, p.detail
 
 
 def test_the_policy_checks_the_traced_p99_where_traced_and_the_mean_where_not():
