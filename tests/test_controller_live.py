@@ -95,6 +95,14 @@ def test_instances_rise_under_load_and_fall_after_with_no_failed_request(sim_ser
     assert all(r["obs"].get("valid", True) for r in ups)
     assert ups[0]["t"] < downs[0]["t"]
     assert all(r["kind"] == "in_place" for r in applied)    # max_delay_us=0: only instance changes
+    # untraced (the pip server's 2.51 under `tracing: auto`), the planner checked itself by mean latency: its
+    # observations carry the predicted mean beside the counters' mean, and its decisions say where the
+    # correction came from (planner.record_ratio)
+    modelled = [r for r in _records(log_path) if r.get("mode") == "model" and r["obs"].get("valid", True)]
+    assert modelled and all(r["obs"]["p99_source"] != "trace" for r in modelled)
+    assert any(r["obs"].get("predicted_mean_ms", 0) > 0 and r["obs"]["mean_ms"] > 0 for r in modelled), modelled[:3]
+    assert any("(from mean latencies)" in r.get("detail", "") for r in modelled), \
+        [r.get("detail", "")[:200] for r in modelled][-10:]
 
 
 def test_dry_run_decides_but_changes_nothing(sim_server, tmp_path):
