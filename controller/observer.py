@@ -347,14 +347,42 @@ class ModelObserver:
             return dataclasses.replace(obs, p99_ms=traced.p99_ms, p99_source="trace", p99_samples=traced.count)
         return estimate_p99(obs, self.tail_ratio)
 
+    def _minute_may_hold_warm_up(self, now: float) -> bool:
+        """Whether the summaries' last minute may hold the model's first WARMUP_EXECUTIONS executions since it
+        loaded (`_warming_up`'s warm-up), so that its p99 over that minute is the warm-up's, not the model's.
+
+        Read from the statistics: the read at or just before the minute's start and the latest, in one chain (no
+        restart, no tick without statistics between). Warm: the minute began past the model's first
+        WARMUP_EXECUTIONS executions, or the statistics count none at all (an ensemble has no `batch_stats`
+        rows). Not known warm (True): the reads do not reach a minute back (the first minute after the
+        controller started), or the chain broke within it. No statistics ever read: False, as before (nothing
+        to tell by). Why: cold_start r85 (an 800-ms first execution per instance, untraced) learned its tail
+        ratio from its first minute, summary p99 446 ms over a 10-ms mean: 5.0, the bound, and the p99 it showed
+        read 2.5x the clients' (69 against 28 ms at midday) for 100 s, until that minute aged out of a later
+        one; a GPU model's first executions are as slow (resnet_tiny on an H200: 180-270 ms against 7 ms).
+        Example: 1-s ticks, at 61 s the read at 1 s counts 12 executions since the load and the latest 5,400:
+        not calibrated; at 75 s the read at 15 s counts 1,300: calibrated."""
+        if not self._executed:
+            return False
+        before = [e for e in self._executed if e[0] <= now - SUMMARY_MAX_AGE_S + 1e-6]
+        if not before:
+            return True
+        (_, chain, executions, _, _), (_, last_chain, last_executions, _, _) = before[-1], self._executed[-1]
+        if chain != last_chain:
+            return True
+        return last_executions > 0 and executions < WARMUP_EXECUTIONS
+
     def _calibrate_tail(self, now: float, live: Settings) -> None:
         """Learn p99 / mean latency from a minute without changes, when the server's summary covers it.
 
         Triton's summaries span about the last minute, so they are only trusted once the config has
-        been stable that long. Example: summary p99 46 ms over a minute whose mean was 25 ms -> 1.84.
+        been stable that long, and the model past its warm-up that long (`_minute_may_hold_warm_up`).
+        Example: summary p99 46 ms over a minute whose mean was 25 ms -> 1.84.
         """
         c = self._latest
         if c is None or c.p99_us is None or now - self.changed_at < SUMMARY_MAX_AGE_S + self.settle_s:
+            return
+        if self._minute_may_hold_warm_up(now):
             return
         minute = self.counters.observe(now, SUMMARY_MAX_AGE_S, live.instance_count)
         if not minute.valid or minute.request_ms_mean <= 0 or minute.completion_rps * minute.span_s < MIN_REQUESTS_FOR_TAIL:

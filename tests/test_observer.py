@@ -225,3 +225,50 @@ def test_the_batchers_own_wait_steps_at_most_every_five_seconds_and_is_the_media
     busy._note_implicit(0.0, SimpleNamespace(**{**vars(window), "busy_fraction": 0.9}), live, 32, fit, None,
                         [(95.0, 1.0)])
     assert not busy._implicit and busy.implicit_us == 0
+
+
+# The tail ratio (p99 / mean, the untraced p99 estimate's factor) is learned from Triton's summaries over a minute:
+# never from a minute that may hold the model's first executions since it loaded (observer._minute_may_hold_warm_up).
+
+def _tail_run(stats_at, p99_ms_at, until: int) -> ModelObserver:
+    """1-s ticks at 30 req/s (mean 6 ms a request, `counters`); the summary's p99 and the statistics as given."""
+    import dataclasses
+
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    for t in range(0, until + 1):
+        c = dataclasses.replace(counters(float(t), 30.0), p99_us=1000.0 * p99_ms_at(t))
+        o.add_scrape(float(t), c, stats_at(t), LIVE)
+        o.observe(float(t), LIVE)
+    return o
+
+
+def _cold_p99(t: int) -> float:
+    return 446.0 if t < 62 else 12.0      # cold_start r85: the first minute's summary holds an 800-ms execution
+
+
+def test_the_tail_ratio_is_not_learned_from_a_minute_that_holds_the_warm_up():
+    def stats(t):
+        return _since_load(30 * t)
+    early = _tail_run(stats, _cold_p99, 61)         # the read at 1 s counts 30 executions: the warm-up is inside
+    assert not early.tail_ratio_measured and early.tail_ratio == 2.0
+    later = _tail_run(stats, _cold_p99, 75)         # at 75 s the minute began at 15 s, 450 executions in: warm
+    assert later.tail_ratio_measured and later.tail_ratio == pytest.approx(2.0, rel=0.01)    # 12 ms / 6 ms
+    # the rule's one reason: without it the first minute's 446 ms over 6 ms sets the bound (5.0) at once
+    import controller.observer as observer_module
+    from unittest import mock
+    with mock.patch.object(observer_module.ModelObserver, "_minute_may_hold_warm_up", return_value=False):
+        assert _tail_run(stats, _cold_p99, 30).tail_ratio == observer_module.TAIL_RATIO_BOUNDS[1]
+
+
+def test_the_tail_ratio_waits_where_the_statistics_do_not_reach_a_minute_back_or_break_within_it():
+    warm = _tail_run(lambda t: _since_load(5000 + 30 * t), lambda t: 12.0, 50)   # long warm, but < 1 min of reads
+    assert not warm.tail_ratio_measured
+    assert _tail_run(lambda t: _since_load(5000 + 30 * t), lambda t: 12.0, 62).tail_ratio_measured
+    # a tick without statistics within the minute breaks the chain: not known warm until a minute after it
+    def gap(t):
+        return None if t == 40 else _since_load(5000 + 30 * t)
+    assert not _tail_run(gap, lambda t: 12.0, 95).tail_ratio_measured
+    assert _tail_run(gap, lambda t: 12.0, 102).tail_ratio_measured
+    # no statistics ever read (nothing to tell by), or none that count executions (an ensemble): as before
+    assert _tail_run(lambda t: None, lambda t: 12.0, 30).tail_ratio_measured
+    assert _tail_run(lambda t: _since_load(0, batch_stats=False), lambda t: 12.0, 62).tail_ratio_measured
