@@ -140,6 +140,8 @@ def summarize_obs(obs: Observation) -> dict:
            "mean_ms": r(obs.request_ms_mean)}
     if obs.p99_source == "trace":
         out["p99_samples"] = obs.p99_samples
+    if obs.p99_source == "mean_x_tail_ratio" and obs.tail_ratio is not None:
+        out["tail_ratio"], out["tail_ratio_measured"] = r(obs.tail_ratio), obs.tail_ratio_measured
     if obs.items_per_request > 1.0:       # requests of several items (the planner's unit: planner.simulate_quantised)
         out["items_per_request"] = r(obs.items_per_request)
     if obs.warming_up:

@@ -67,12 +67,14 @@ JITTER_CONFIGS = 32             # configurations whose jitter is remembered; the
 _Read = tuple[int, int, int, StatsCounters]   # one tick's statistics: (chain, executions, ns executing, themselves)
 
 
-def estimate_p99(obs: Observation, tail_ratio: float) -> Observation:
+def estimate_p99(obs: Observation, tail_ratio: float, measured: bool = False) -> Observation:
     """A p99 estimate for a short window from counters alone: the larger of the worst interval mean
-    and mean latency x tail ratio. Example: mean 20 ms, tail ratio 1.8, worst 1-s mean 24 ms -> 36 ms."""
+    and mean latency x tail ratio (`measured`: learned from the summaries, not the default; the observation
+    carries both, for `status`). Example: mean 20 ms, tail ratio 1.8, worst 1-s mean 24 ms -> 36 ms."""
     if not obs.valid or obs.p99_source != "interval_mean_max" or obs.p99_ms is None:
         return obs
-    return dataclasses.replace(obs, p99_ms=max(obs.p99_ms, obs.request_ms_mean * tail_ratio), p99_source="mean_x_tail_ratio")
+    return dataclasses.replace(obs, p99_ms=max(obs.p99_ms, obs.request_ms_mean * tail_ratio), p99_source="mean_x_tail_ratio",
+                               tail_ratio=tail_ratio, tail_ratio_measured=measured)
 
 
 class ModelObserver:
@@ -345,7 +347,7 @@ class ModelObserver:
             return obs
         if traced.count >= MIN_TRACE_SAMPLES and traced.p99_ms is not None:
             return dataclasses.replace(obs, p99_ms=traced.p99_ms, p99_source="trace", p99_samples=traced.count)
-        return estimate_p99(obs, self.tail_ratio)
+        return estimate_p99(obs, self.tail_ratio, self.tail_ratio_measured)
 
     def _minute_may_hold_warm_up(self, now: float) -> bool:
         """Whether the summaries' last minute may hold the model's first WARMUP_EXECUTIONS executions since it

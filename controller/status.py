@@ -441,6 +441,9 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                 source = o.get("p99_source", "?")
                 if o.get("p99_samples"):
                     source += f", {o['p99_samples']} samples"
+                if isinstance(o.get("tail_ratio"), (int, float)):    # the estimate's factor, and where it came from
+                    source += f", mean x {o['tail_ratio']:.2f} " + (
+                        "(measured)" if o.get("tail_ratio_measured") else "(the default until a quiet minute is measured)")
                 warm = "; warming up: the model's first executions since it loaded, not held against its model" \
                     if o.get("warming_up") else ""
                 rows.append(("p99", f"{_num(o['p99_ms'], 2)} ms  from {source}  (tracing {tracing}){warm}"))

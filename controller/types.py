@@ -60,6 +60,8 @@ class Observation:
     p99_ms: float | None = None           # see observer.ModelObserver: the best figure available
     p99_source: str = "none"              # "trace" | "summary" | "mean_x_tail_ratio" | "interval_mean_max" | "none"
     p99_samples: int = 0                  # with "trace": the sampled requests behind the figure
+    tail_ratio: float | None = None       # with "mean_x_tail_ratio": the factor on the mean ...
+    tail_ratio_measured: bool = False     # ... learned from the server's summaries (False: the default, 2.0)
     predicted_p99_ms: float | None = None  # planner.simulate for the live config at this arrival rate (the planner's check)
     predicted_mean_ms: float | None = None  # ... and its mean latency (the check where no request is traced)
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances

@@ -101,6 +101,8 @@ def test_instances_rise_under_load_and_fall_after_with_no_failed_request(sim_ser
     modelled = [r for r in _records(log_path) if r.get("mode") == "model" and r["obs"].get("valid", True)]
     assert modelled and all(r["obs"]["p99_source"] != "trace" for r in modelled)
     assert any(r["obs"].get("predicted_mean_ms", 0) > 0 and r["obs"]["mean_ms"] > 0 for r in modelled), modelled[:3]
+    estimated = [r["obs"] for r in modelled if r["obs"]["p99_source"] == "mean_x_tail_ratio"]
+    assert estimated and all(o["tail_ratio"] >= 1.0 and "tail_ratio_measured" in o for o in estimated)  # for status
     assert any("(from mean latencies)" in r.get("detail", "") for r in modelled), \
         [r.get("detail", "")[:200] for r in modelled][-10:]
 

@@ -145,6 +145,8 @@ def test_p99_estimate_is_mean_times_tail_ratio_or_the_worst_interval():
     base = Observation(valid=True, span_s=10, p99_ms=24.0, p99_source="interval_mean_max", request_ms_mean=20.0)
     est = estimate_p99(base, 1.8)
     assert (round(est.p99_ms, 6), est.p99_source) == (36.0, "mean_x_tail_ratio")
+    assert (est.tail_ratio, est.tail_ratio_measured) == (1.8, False)    # what status shows beside it
+    assert estimate_p99(base, 1.8, measured=True).tail_ratio_measured
     assert estimate_p99(base, 1.0).p99_ms == 24.0                       # the worst interval was higher
     summary = Observation(valid=True, span_s=60, p99_ms=46.0, p99_source="summary", request_ms_mean=25.0)
     assert estimate_p99(summary, 3.0) == summary                        # a fresh summary is used as it is
