@@ -52,20 +52,29 @@ def test_the_forecast_follows_the_tick_rates():
     assert o.forecast.band(2.0)[2] >= 200.0 and 150.0 < o.forecast.level < 200.0
 
 
+def _fed(rates: list[float]):
+    """An observer whose forecast saw these 1-s tick rates, and a window over them: (observer, window)."""
+    from types import SimpleNamespace
+
+    from controller.planner import Forecast
+
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    f = Forecast.start(0.0, rates[0])
+    for t, r in enumerate(rates[1:], start=1):
+        f = f.update(float(t), r)
+    o.forecast = f
+    return o, SimpleNamespace(since=-0.5, arrival_rps=sum(rates) / len(rates))
+
+
 def test_the_window_p99_mixes_bursts_and_lulls_and_moves_little_with_one_burst_tick():
     from types import SimpleNamespace
 
-    from controller.planner import Forecast, simulate_quantised
+    from controller.planner import simulate_quantised
 
     fit = SimpleNamespace(predict_ms=lambda b: 6.0 + 1.5 * b)     # one instance: 133 req/s unbatched, ~440 in 8s
 
     def window_p99(rates: list[float]) -> float:
-        o = ModelObserver("m", window_s=10.0, settle_s=0.0)
-        f = Forecast.start(0.0, rates[0])
-        for t, r in enumerate(rates[1:], start=1):
-            f = f.update(float(t), r)
-        o.forecast = f
-        obs = SimpleNamespace(since=-0.5, arrival_rps=sum(rates) / len(rates))
+        o, obs = _fed(rates)
         return o._window_prediction(obs, LIVE, 8, fit, None, o._window_parts(obs))[0]
 
     lull, burst = simulate_quantised(100.0, 1, 0, 8, fit.predict_ms).p99_ms, simulate_quantised(
@@ -82,16 +91,10 @@ def test_the_window_p99_mixes_bursts_and_lulls_and_moves_little_with_one_burst_t
 def test_the_window_mean_weighs_each_load_by_its_requests():
     from types import SimpleNamespace
 
-    from controller.planner import Forecast, simulate_quantised
+    from controller.planner import simulate_quantised
 
     fit = SimpleNamespace(predict_ms=lambda b: 6.0 + 1.5 * b)
-    rates = [100.0] * 6 + [378.0] * 4
-    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
-    f = Forecast.start(0.0, rates[0])
-    for t, r in enumerate(rates[1:], start=1):
-        f = f.update(float(t), r)
-    o.forecast = f
-    obs = SimpleNamespace(since=-0.5, arrival_rps=sum(rates) / len(rates))
+    o, obs = _fed([100.0] * 6 + [378.0] * 4)
     parts = o._window_parts(obs)
     assert len(parts) == 2
     p99, mean = o._window_prediction(obs, LIVE, 8, fit, None, parts)
