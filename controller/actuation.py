@@ -213,6 +213,20 @@ class Actuator:
         return self._reload_live(model, edit, lambda cfg, after, live: None if after == live
                                  else f"server reports {after} after repairing {live}")
 
+    def warm_up(self, model: str, samples: list[dict]) -> ApplyResult:
+        """Reload the live config in full with Triton's `model_warmup` set to `samples` (warmup.py), settings
+        unchanged: the new copy's instances run them before it serves, the old one serves meanwhile. Nothing to do
+        where the live config already has a warm-up (the model's own is never replaced)."""
+        def edit(cfg: dict) -> dict | None:
+            if cfg.get("model_warmup"):
+                return None
+            cfg["model_warmup"] = copy.deepcopy(samples)
+            return cfg
+
+        return self._reload_live(model, edit, lambda cfg, after, live: None if cfg.get("model_warmup") and after == live
+                                 else f"server reports {after}, warm-up {'kept' if cfg.get('model_warmup') else 'absent'}, "
+                                      f"after warming {live} up")
+
     def _reload_live(self, model: str, edit: Callable[[dict], dict | None],
                      check: Callable[[dict, Settings, Settings], str | None]) -> ApplyResult:
         """A full reload of the live config as `edit` changes it (given a copy; None: nothing to do), waiting

@@ -93,6 +93,8 @@ class LoopConfig:
     repair: bool = True                 # a full reload of a model whose requests keep failing (a crashed instance)
     repair_after_s: float = 10.0        # ... once failures have been seen this long, at least REPAIR_MIN_FAILURES
     repair_backoff_s: float = 300.0     # ... and again, if they persist, after this long (doubling, at most 1 h)
+    warm_up: bool = True                # a model read to start cold, with no model_warmup of its own, is reloaded once
+                                        # with Triton's model_warmup (zero data; warmup.py) so new instances warm first
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import capacity as capacity_mod
-from . import ensemble, groups, modelkind, planner, policy
+from . import ensemble, groups, modelkind, planner, policy, warmup
 from .arbiter import ModelView, arbitrate
 from .actuation import UNREACHABLE, Actuator, ApplyResult, TritonControl, classify_error, settings_of
 from .calls import SOURCE_FILES, CallGraph, named_in_source
@@ -102,11 +102,15 @@ class ManagedModel:
     requests_seen: float | None = None                   # its requests (success + failure) at the last scrape ...
     last_request_t: float | None = None                  # ... and when that count last moved (or one was pending)
     live_config: dict | None = None                      # the config last read from the server (a restart loads it)
+    warm_up: dict | None = None                          # this controller's warm-up of it (warmup.py): {"state": "reloading"
+                                                         # | "added" | "failed" | "cannot", "detail", "t"}; None: not tried
 
     @property
     def last_obs(self) -> Observation | None:
         return self.observer.last
 
+
+WARM_UP = "WarmUpColdStart"     # the decision of a reload that adds Triton's model_warmup (ControlLoop._warm_up_now)
 
 # the policy's gates: while one of these holds (start, a change settling), a claim's full reload would disturb it
 _NOT_QUIET = frozenset({"HoldWarmup", "HoldSettling", "HoldCooldown", "HoldBackoff", "HoldNoData"})
@@ -656,6 +660,8 @@ class Controller:
         obs = mm.observer.observe(now, mm.current, devices if on_device else (), mm.batch_limit)
         if obs.valid and mm.per_device:
             obs = dataclasses.replace(obs, placement=tuple(mm.per_device.items()))
+        if obs.valid and warmup.has_warmup(mm.live_config):
+            obs = dataclasses.replace(obs, loads_warm=True)
         if counters is not None and self._simulating and self.simulated.hosts(counters):
             # the simulated device says what each instance holds; a real GPU's is learned from step deltas
             per = counters.custom.get(SIM_MEMORY_METRIC, 0) / max(1, mm.current.instance_count)
@@ -798,6 +804,35 @@ class Controller:
         self._submit(mm, Decision(mm.current, "ClaimOwnership", detail=detail), obs, now, full=True, claim=True)
         return True
 
+    def _warm_up_now(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> bool:
+        """Reload a model that starts cold (`obs.cold_start`) once with Triton's `model_warmup` (warmup.py), at a
+        quiet moment as `_claim_now` defines it, where its live config has no warm-up of its own. True where that
+        reload was submitted. Tried once per model: a warm-up the model refuses fails the load (the old copy serves
+        on) and is not tried again; one that cannot be made (`warmup.samples`) is said once."""
+        if not self.config.loop.warm_up or self.config.loop.dry_run or mm.warm_up is not None \
+                or obs.cold_start is None or obs.loads_warm or mm.live_config is None \
+                or not decision.valid or not obs.valid or decision.reason in _NOT_QUIET:
+            return False
+        if mm.kind is not None and (mm.kind.sequence_batching or not mm.kind.managed):
+            return False     # why: a full reload would end every live sequence (modelkind.py)
+        samples, what = warmup.samples(mm.live_config, mm.observer.executed_sizes())
+        if samples is None:
+            mm.warm_up = {"state": "cannot", "detail": what, "t": now}
+            log.warning("%s: starts cold, and the controller cannot warm it up: %s; warm it up in its initialize "
+                        "or give its config a model_warmup", mm.name, what)
+            return False
+        if any(o.pending is not None for o in self.models.values()) or now < mm.state.backoff_until \
+                or not policy.full_reload_fits(mm.current, mm.limits, mm.state, obs):
+            return False
+        cold = obs.cold_start
+        detail = (f"its first executions after a load took {_num1(cold.get('ms'))} ms against {_num1(cold.get('usual_ms'))} ms; "
+                  f"a full reload with Triton's model_warmup, {what}: new instances then warm up before they serve")
+        mm.warm_up = {"state": "reloading", "detail": what, "t": now}
+        self._submit(mm, Decision(mm.current, WARM_UP, detail=detail), obs, now, full=True, warm_up=samples)
+        if mm.pending is None:          # not submitted (versions moved: _submit said why): another quiet tick
+            mm.warm_up = None
+        return True
+
     # -- acting -----------------------------------------------------------------------------------
     def _act(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> None:
         if mm.pending is not None:
@@ -807,7 +842,7 @@ class Controller:
             self._repair(mm, decision, obs, now)
             return
         if not decision.valid or decision.target == mm.current:
-            if not self._claim_now(mm, decision, obs, now):
+            if not self._claim_now(mm, decision, obs, now) and not self._warm_up_now(mm, decision, obs, now):
                 self._record(mm, decision, obs, now, "hold")
             return
         if self.config.loop.dry_run:
@@ -872,7 +907,7 @@ class Controller:
                 f"they are loaded as the operator wants them (the repository API's load of {mm.name})")
 
     def _submit(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float, full: bool,
-                claim: bool = False, repair: bool = False) -> None:
+                claim: bool = False, repair: bool = False, warm_up: list[dict] | None = None) -> None:
         moved = self._versions_moved(mm)
         if moved is not None:
             if mm.last_decision is None or mm.last_decision.reason != "HoldVersionsMoved":
@@ -893,12 +928,14 @@ class Controller:
         def work():
             if repair:
                 result = actuator.repair(mm.name)
+            elif warm_up is not None:
+                result = actuator.warm_up(mm.name, warm_up)
             else:
                 result = actuator.claim(mm.name) if claim else actuator.apply(mm.name, target, prefer, room)
             return result, self.clock()
 
         mm.pending = PendingChange(decision, mm.current, obs, self._workers.submit(work), full, now)
-        self._record(mm, decision, obs, now, "claiming" if claim else "started")
+        self._record(mm, decision, obs, now, "claiming" if claim else "warming_up" if warm_up is not None else "started")
 
     def _collect_finished(self) -> None:
         for mm in self.models.values():
@@ -959,6 +996,26 @@ class Controller:
                 mm.state = policy.record_failed(mm.state, decision, before, now, self.config.loop.failure_backoff_s)
                 log.warning("%s: could not mark the model as ours (%s); acting anyway, retrying later", mm.name, result.error)
             self._record(mm, decision, obs, now, "claimed" if result.ok else "claim_failed", result)
+            return
+        if decision.reason == WARM_UP:
+            # settings unchanged (a full reload: the statistics restart); tried once, whatever the outcome
+            self._mark_change(mm, now)
+            if result.live is not None:
+                mm.current = result.live
+            what = (mm.warm_up or {}).get("detail") or ""
+            mm.warm_up = {"state": "added" if result.ok else "failed", "t": now,
+                          "detail": what if result.ok else f"{what}: {result.error}"}
+            if result.ok:
+                self.metrics.reload(mm.name, result.kind)
+                log.info("%s: reloaded with Triton's model_warmup (%s) in %.1f s: new instances warm up before they "
+                         "serve", mm.name, what, result.seconds)
+            else:
+                self.metrics.failure(mm.name)
+                log.warning("%s: the reload with Triton's model_warmup failed after %.1f s (%s); it serves on as before, "
+                            "not warmed, and is not tried again: warm it up in its initialize or give its config a "
+                            "model_warmup", mm.name, result.seconds, result.error)
+            mm.last_change = _change(now, result, decision, mm.current, mm.current)
+            self._record(mm, decision, obs, now, "warmed_up" if result.ok else "warm_up_failed", result)
             return
         if decision.reason == policy.REPAIR:
             self._mark_change(mm, now)
@@ -1165,7 +1222,22 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
         "ensemble_steps": list(mm.kind.steps) if mm.kind is not None and mm.kind.ensemble else None,
         "per_device": dict(mm.per_device) if len(mm.per_device) > 1 else None,
         "stateful": bool(mm.kind is not None and mm.kind.sequence_batching) or None,   # `load` cannot drive it
+        "warm_up": warm_up_status(mm),
     }
+
+
+def warm_up_status(mm: ManagedModel) -> dict | None:
+    """The live config's `model_warmup` (whose: "controller" or "model", its batch sizes) and this controller's
+    attempt (`ManagedModel.warm_up`); None where there is neither."""
+    cfg, tried = mm.live_config, mm.warm_up
+    if not warmup.has_warmup(cfg) and tried is None:
+        return None
+    out = {"state": tried["state"] if tried else None, "detail": tried["detail"] if tried else None}
+    if warmup.has_warmup(cfg):
+        out.update(live=True, by="controller" if warmup.ours(cfg) else "model", sizes=warmup.batch_sizes(cfg))
+    else:
+        out["live"] = False
+    return out
 
 
 def owner_status(mm: ManagedModel, me: OwnerMark) -> dict | None:
@@ -1211,6 +1283,10 @@ def _change(now: float, result: ApplyResult, decision: Decision, before: Setting
     return {"time": time.time(), "t": now, "ok": result.ok, "from": _asdict(before), "to": _asdict(to),
             "reason": decision.reason, "detail": decision.detail, "kind": result.kind,
             "apply_s": round(result.seconds, 2), "error": result.error or None}
+
+
+def _num1(x) -> str:
+    return f"{x:.1f}" if isinstance(x, (int, float)) else "?"
 
 
 def _asdict(s: Settings | None) -> dict | None:

@@ -129,6 +129,12 @@ class ModelObserver:
         while self._executed and self._executed[0][0] < now - self.counters.max_age_s:
             self._executed.popleft()
 
+    def executed_sizes(self) -> dict[int, int]:
+        """Executions per batch size since the model (this copy of it) loaded: the last statistics read ({} if none)."""
+        if not self._executed or self._executed_last is None:
+            return {}
+        return {size: b.executions for size, b in self._executed[-1][4].batch_stats.items() if size >= 1}
+
     def _update_forecast(self, now: float) -> None:
         """Feed the forecast this tick's arrival rate (the last two samples; a reset or gap feeds nothing)."""
         samples = self.counters.samples

@@ -569,7 +569,7 @@ def decide_delay(obs: Observation, current: Settings, state: PolicyState, limits
     light = obs.busy_fraction < LIGHT_BUSY and obs.pending_mean < 0.5
     # why: a model that starts cold (service.ServiceTimes.cold_start) pays it again in every instance of a full
     # reload, and at light load a shorter delay saves at most the delay (planner.choose's `starts_cold`)
-    if d > limits.min_delay_us and light and obs.cold_start is None:
+    if d > limits.min_delay_us and light and (obs.cold_start is None or obs.loads_warm):
         return Decision(dataclasses.replace(current, max_queue_delay_us=halved), "DelayDecreaseLightLoad",
                         detail=f"busy {obs.busy_fraction:.0%}, no queue")
     small_batches = max_batch_size <= 0 or obs.avg_batch_size < max_batch_size / 2
@@ -653,7 +653,7 @@ def decide_by_model(obs: Observation, current: Settings, state: PolicyState, lim
                           max_delay_us=limits.max_delay_us, delay_allowed=delay_allowed,
                           device_util=device_utilisation(obs), exec_rps=obs.exec_rps, avg_batch=obs.avg_batch_size,
                           now=now, reload_max=full_reload_max_count(current, limits, state, obs),
-                          starts_cold=obs.cold_start is not None)
+                          starts_cold=obs.cold_start is not None and not obs.loads_warm)
     if not plan.usable:
         return None, dataclasses.replace(state, plan=pstate), plan.detail
     state = dataclasses.replace(state, plan=plan.state)

@@ -244,6 +244,25 @@ def _share(x: Any) -> str:
     return f"{x:.1%}" if abs(x) < 0.095 else f"{x:.0%}"
 
 
+def _warm_up_text(w: dict) -> str:
+    """The warm-up row: the live config's model_warmup, or why the controller did not add one (loop.warm_up_status)."""
+    sizes = ", ".join(str(s) for s in w.get("sizes") or [])
+    if w.get("live"):
+        if w.get("by") == "controller":
+            return (f"Triton's model_warmup, added by the controller after it read a cold start ({w.get('detail') or 'zero data'}"
+                    + ("" if w.get("detail") else f" at batch size(s) {sizes}") + ")")
+        return f"Triton's model_warmup, the model's own (batch size(s) {sizes})"
+    state = w.get("state")
+    if state == "reloading":
+        return f"adding Triton's model_warmup ({w.get('detail')}): a full reload in flight"
+    if state == "failed":
+        return (f"the reload with Triton's model_warmup failed ({w.get('detail')}); it serves on unwarmed, not tried "
+                "again: warm it up in its initialize or give its config a model_warmup")
+    if state == "cannot":
+        return (f"not added: {w.get('detail')}; warm it up in its initialize or give its config a model_warmup")
+    return f"{state}: {w.get('detail')}"
+
+
 def _busy_note(o: dict) -> str:
     """" (estimated)" where the busy figure came from the request counters (no `batch_stats` over the
     window: it reads high when batch sizes vary); nothing where it is exact or the log predates the field."""
@@ -467,13 +486,18 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                                 if isinstance(jitter, dict) and (jitter.get("scv") or 0) >= JITTER_FLOOR
                                 and jitter.get("p99_x") else "")))
             cold = o.get("cold_start")
+            wu = m.get("warm_up") if isinstance(m.get("warm_up"), dict) else {}
             if isinstance(cold, dict):
-                rows.append(("cold start", f"the first {cold.get('executions')} executions after "
-                             f"{cold.get('instances')} x {cold.get('delay_us')}us went live took {_num(cold.get('ms'), 1)} ms each, "
-                             f"against {_num(cold.get('usual_ms'), 1)} ms after them: warm the model up before it is "
-                             "ready (in initialize, or Triton's model_warmup); until then every instance a reload "
-                             "starts serves its first requests slowly, and the planner changes the delay (a full "
-                             "reload) only where it must"))
+                seen = (f"the first {cold.get('executions')} executions after {cold.get('instances')} x "
+                        f"{cold.get('delay_us')}us went live took {_num(cold.get('ms'), 1)} ms each, against "
+                        f"{_num(cold.get('usual_ms'), 1)} ms after them")
+                rows.append(("cold start", seen + (": new instances now warm up before they serve (warm-up below)"
+                                                   if wu.get("live") else
+                             ": warm the model up before it is ready (in initialize, or Triton's model_warmup); until "
+                             "then every instance a reload starts serves its first requests slowly, and the planner "
+                             "changes the delay (a full reload) only where it must")))
+            if wu:
+                rows.append(("warm-up", _warm_up_text(wu)))
         else:
             now = m.get("obs_now")
             rows.append(("load", NOW_WHY.get(now, now) if now else "no observation yet"))

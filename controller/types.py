@@ -72,6 +72,8 @@ class Observation:
     jitter: "Jitter | None" = None        # ... and how much one execution varies around it (service.execution_jitter)
     warming_up: bool = False              # the span holds the model's first executions since it loaded (observer)
     cold_start: "dict | None" = None      # the model's measured cold start after loads, or None (ServiceTimes.cold_start)
+    loads_warm: bool = False              # its live config has Triton's model_warmup: a load's instances run it before
+                                          # they serve, so a cold start no longer reaches requests (warmup.py)
     invalid_reason: str = ""              # when valid=False: "no_samples" | "scrape_failed" | "too_few_samples" | "span_too_short"
 
     @property

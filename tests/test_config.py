@@ -272,7 +272,7 @@ INVALID = [
         "min_instances, p99_target_ms, priority, scale_down_delay_s, scale_up_cooldown_s, sequence_scale_down"),
     bad("unknown-field-in-controller", {"controller": {"window": 20}},
         "controller.window: unknown field; valid fields: decision_log, decision_log_max_mb, dry_run, failure_backoff_s, gpu, interval_s, "
-        "log_files_kept, metrics_address, metrics_port, min_span_s, observation_log, owner_mark, owner_stale_after_s, planner, reload_timeout_s, repair, repair_after_s, repair_backoff_s, settle_s, simulated_device_memory_mb, trace_file, trace_samples_per_s, tracing, warm_start, window_s"),
+        "log_files_kept, metrics_address, metrics_port, min_span_s, observation_log, owner_mark, owner_stale_after_s, planner, reload_timeout_s, repair, repair_after_s, repair_backoff_s, settle_s, simulated_device_memory_mb, trace_file, trace_samples_per_s, tracing, warm_start, warm_up, window_s"),
     bad("unknown-section", {"model": {"resnet_tiny": {}}},
         "model: unknown section; valid sections: controller, defaults, models, server"),
     bad("defaults-min-over-max", {"defaults": {"min_instances": 5, "max_instances": 3}},
