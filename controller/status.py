@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import runstate
+from . import runstate, warmup
 from .actuation import TritonControl, explain_error, settings_of
 from .config import ControllerConfig, ServerConfig
 from .decision_log import by_model, read_records
@@ -246,7 +246,7 @@ def _share(x: Any) -> str:
 
 def _warm_up_text(w: dict) -> str:
     """The warm-up row: the live config's model_warmup, or why the controller did not add one (loop.warm_up_status)."""
-    sizes = ", ".join(str(s) for s in w.get("sizes") or [])
+    sizes = warmup.spans(w.get("sizes") or [])
     if w.get("live"):
         if w.get("by") == "controller":
             return (f"Triton's model_warmup, added by the controller after it read a cold start ({w.get('detail') or 'zero data'}"

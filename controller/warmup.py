@@ -12,11 +12,16 @@ at the live settings, at a quiet moment; the old copy serves meanwhile), and eve
 (`actuation.with_settings` starts from the live config).
 
 The samples: zero data (Triton's `zero_data`) for each required input at its declared shape, one execution
-(`count: 1`) per batch size. The sizes: those that made up 99% of the model's executions since it loaded (its
-statistics' `batch_stats`), most frequent first (the smaller of equals), at most MAX_SIZES, and always 1. Each size warmed adds one
-execution to every instance's load; a size left out is paid once per new instance, on the first batch of that
-size, as a 23-76 ms extra pass did on an H200 (docs/results.md, "A real GPU (H200)"). Example: executions since
-load {1: 700, 2: 250, 3: 40, 7: 10} (1000) -> 1, 2 and 3 make 99.0% -> sizes [1, 2, 3].
+(`count: 1`) per batch size. The sizes: every size up to `max_batch_size` where that is at most ALL_UP_TO; above,
+the powers of two up to it and itself, then the sizes that made up 99% of the model's executions since it loaded
+(its statistics' `batch_stats`; most frequent first, the smaller of equals) up to MAX_SIZES in all. Each size
+warmed adds one execution to every instance's load; a size left out is paid on the first batch of that size in
+each new instance, as a 23-76 ms extra pass did on an H200 (docs/results.md, "A real GPU (H200)"). Why not only
+the sizes executed so far: a busier hour makes sizes a quiet one never ran. cold_start r87 warmed 1, 2, 3 and 5,
+what the night had run; on the morning ramp each new size's first run (50 ms more on sim_cold) queued requests
+into still larger, still cold, batches on the one instance: p99s of 146-161 ms in four seconds before the
+scale-up. Examples: max_batch_size 8 -> [1, ..., 8]; max_batch_size 128 with executions since the load
+{3: 700, 5: 250, 1: 40, 6: 10} -> [1, 2, 4, 8, 16, 32, 64, 128] and 3, 5 (1 is there: 99.0%) -> 10 sizes.
 
 Not made (`samples` says why, and `status` shows it) where zero data is not a request the model is known to take:
 an input of variable shape (a -1 dimension: which shape?), a string input (empty strings), a shape tensor (zeros
@@ -29,8 +34,9 @@ from collections.abc import Mapping
 from typing import Any
 
 SAMPLE_PREFIX = "triton_autotune_warmup_b"   # our samples' names: `status` tells them from the model's own
-COVER = 0.99        # the sizes warmed make up this share of the executions since the load ...
-MAX_SIZES = 8       # ... up to this many sizes
+ALL_UP_TO = 32      # every batch size up to max_batch_size where that is at most this ...
+COVER = 0.99        # ... else powers of two, and sizes making up this share of the executions since the load, ...
+MAX_SIZES = 16      # ... up to this many sizes in all
 _NO_ZERO_TYPES = ("TYPE_STRING", "TYPE_BYTES")
 
 
@@ -57,13 +63,14 @@ def batch_sizes(config: Mapping[str, Any] | None) -> list[int]:
 
 
 def sizes(executed: Mapping[int, int], max_batch_size: int) -> list[int]:
-    """The batch sizes to warm (see the module's doc): [1] for a model without batching (max_batch_size 0) or with
-    no execution counted yet."""
+    """The batch sizes to warm (see the module's doc); [1] for a model without batching (max_batch_size 0)."""
     if max_batch_size <= 0:
         return [1]
+    if max_batch_size <= ALL_UP_TO:
+        return list(range(1, max_batch_size + 1))
+    chosen = {max_batch_size} | {1 << k for k in range(max_batch_size.bit_length()) if 1 << k <= max_batch_size}
     counts = sorted(((n, b) for b, n in executed.items() if 1 <= b <= max_batch_size and n > 0), key=lambda c: (-c[0], c[1]))
-    total = sum(n for n, _ in counts)
-    chosen, covered = {1}, 0
+    total, covered = sum(n for n, _ in counts), 0
     for n, b in counts:
         if covered >= COVER * total or len(chosen | {b}) > MAX_SIZES:
             break
@@ -102,4 +109,15 @@ def samples(config: Mapping[str, Any], executed: Mapping[int, int]) -> tuple[lis
         max_batch = 0
     chosen = sizes(executed, max_batch)
     entries = [{"name": f"{SAMPLE_PREFIX}{b}", "batch_size": b, "count": 1, "inputs": dict(tensors)} for b in chosen]
-    return entries, f"zero data at batch size(s) {', '.join(map(str, chosen))}"
+    return entries, f"zero data at batch size(s) {spans(chosen)}"
+
+
+def spans(values: list[int]) -> str:
+    """Sorted integers, runs of three or more as a span: [1, 2, 3, 4, 8, 16] -> "1-4, 8, 16"."""
+    runs: list[list[int]] = []
+    for v in sorted(set(values)):
+        if runs and runs[-1][1] == v - 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}-{b}" if b - a >= 2 else (f"{a}, {b}" if b > a else f"{a}") for a, b in runs)

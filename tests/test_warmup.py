@@ -22,28 +22,38 @@ CONFIG = {"name": "m", "max_batch_size": 32,
                     {"name": "EXTRA", "data_type": "TYPE_FP32", "dims": ["-1"], "optional": True}]}
 
 
+POW = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
 @pytest.mark.parametrize("executed, max_batch, expected", [
-    ({1: 700, 2: 250, 3: 40, 7: 10}, 32, [1, 2, 3]),        # the module's example: 99.0% in three sizes
-    ({8: 990, 16: 10}, 32, [1, 8]),                          # 1 always; 8 alone makes 99%
-    ({}, 32, [1]),                                           # nothing executed yet
-    ({1: 5}, 0, [1]),                                        # no batching: one request of its own shape
-    ({b: 1 for b in range(1, 33)}, 32, [1, 2, 3, 4, 5, 6, 7, 8]),   # at most MAX_SIZES sizes
-    ({64: 100, 4: 100}, 32, [1, 4]),                         # a size beyond max_batch_size is never warmed
+    ({1: 700, 2: 250, 3: 40, 7: 10}, 8, list(range(1, 9))),          # up to ALL_UP_TO: every size
+    ({}, 32, list(range(1, 33))),
+    ({1: 5}, 0, [1]),                                                  # no batching: one request of its own shape
+    ({3: 700, 5: 250, 1: 40, 6: 10}, 128, sorted(POW + [3, 5])),       # the module's example: 99.0% without 6
+    ({}, 100, [1, 2, 4, 8, 16, 32, 64, 100]),                          # nothing executed yet; max_batch_size itself
+    ({b: 1 for b in range(1, 129)}, 128, sorted(POW + [3, 5, 6, 7, 9, 10, 11, 12])),   # MAX_SIZES in all, the smaller
+    ({300: 100, 3: 100}, 128, sorted(POW + [3])),                      # first; a size beyond max_batch_size: never
 ])
 def test_sizes_cover_the_executions_since_the_load(executed, max_batch, expected):
     assert warmup.sizes(executed, max_batch) == expected
 
 
+def test_spans_shorten_runs_of_sizes():
+    assert warmup.spans(list(range(1, 33))) == "1-32"
+    assert warmup.spans([16, 1, 2, 3, 4, 8, 9]) == "1-4, 8, 9, 16"
+    assert warmup.spans([5]) == "5" and warmup.spans([]) == ""
+
+
 def test_samples_are_zero_data_for_each_required_input_at_its_declared_shape():
-    samples, what = warmup.samples(CONFIG, {1: 10, 4: 90})
-    assert what == "zero data at batch size(s) 1, 4"
-    assert [s["name"] for s in samples] == [f"{warmup.SAMPLE_PREFIX}1", f"{warmup.SAMPLE_PREFIX}4"]
-    assert [s["batch_size"] for s in samples] == [1, 4] and all(s["count"] == 1 for s in samples)
+    samples, what = warmup.samples(dict(CONFIG, max_batch_size=4), {1: 10, 4: 90})
+    assert what == "zero data at batch size(s) 1-4"
+    assert [s["name"] for s in samples] == [f"{warmup.SAMPLE_PREFIX}{b}" for b in (1, 2, 3, 4)]
+    assert [s["batch_size"] for s in samples] == [1, 2, 3, 4] and all(s["count"] == 1 for s in samples)
     # the optional input (of variable shape) is left out: a request without it is valid by definition
-    assert samples[1]["inputs"] == {"INPUT": {"data_type": "TYPE_FP32", "dims": ["16"], "zero_data": True},
+    assert samples[3]["inputs"] == {"INPUT": {"data_type": "TYPE_FP32", "dims": ["16"], "zero_data": True},
                                     "MASK": {"data_type": "TYPE_BOOL", "dims": ["4", "2"], "zero_data": True}}
     cfg = dict(CONFIG, model_warmup=samples)
-    assert warmup.has_warmup(cfg) and warmup.ours(cfg) and warmup.batch_sizes(cfg) == [1, 4]
+    assert warmup.has_warmup(cfg) and warmup.ours(cfg) and warmup.batch_sizes(cfg) == [1, 2, 3, 4]
     own = dict(CONFIG, model_warmup=[{"name": "sample", "batch_size": 8}])
     assert warmup.has_warmup(own) and not warmup.ours(own) and warmup.batch_sizes(own) == [8]
     assert not warmup.has_warmup(CONFIG) and not warmup.ours(CONFIG)
@@ -78,8 +88,9 @@ def test_status_says_what_warms_the_model_and_why_not():
     assert rows["warm-up"] == ("Triton's model_warmup, added by the controller after it read a cold start "
                                "(zero data at batch size(s) 1, 2)")
     # a later controller finds its warm-up in the live config (no attempt of its own)
-    rows = _rows(dict(SEEN, warm_up={"state": None, "detail": None, "live": True, "by": "controller", "sizes": [1, 2]}))
-    assert rows["warm-up"].endswith("after it read a cold start (zero data at batch size(s) 1, 2)")
+    rows = _rows(dict(SEEN, warm_up={"state": None, "detail": None, "live": True, "by": "controller",
+                                     "sizes": [1, 2, 3, 4, 8]}))
+    assert rows["warm-up"].endswith("after it read a cold start (zero data at batch size(s) 1-4, 8)")
     rows = _rows(dict(SEEN, warm_up={"state": None, "detail": None, "live": True, "by": "model", "sizes": [8]}))
     assert rows["warm-up"] == "Triton's model_warmup, the model's own (batch size(s) 8)"
     rows = _rows(dict(SEEN, warm_up={"state": "cannot", "detail": "input 'T' is TYPE_STRING: empty strings ...",
