@@ -779,3 +779,73 @@ def test_a_models_section_is_the_whole_managed_set(caplog):
     assert sorted(ctl.models) == ["m", "n"]
     assert not [r for r in caplog.records if "managing it too" in r.getMessage()]
 
+
+
+COLD = {"instances": 1, "delay_us": 0, "executions": 25, "ms": 40.0, "usual_ms": 5.0, "excess_executions": 175.0}
+
+
+@pytest.mark.parametrize("case", ["warmed", "refused", "cannot", "own", "dry_run", "off"])
+def test_a_model_read_cold_is_warmed_up_once_at_a_quiet_tick(case, caplog, monkeypatch):
+    """warmup.py: a model whose loads read cold gets Triton's model_warmup in one full reload at its live settings,
+    after the start's gates; later changes keep it. A warm-up the server refuses is not tried again (and holds
+    nothing back: no backoff); one that cannot be made is said once; a model's own warm-up, a dry run and
+    `warm_up: false` change nothing."""
+    import logging
+    from controller import warmup
+    caplog.set_level(logging.INFO, logger="controller.loop")
+    clock = Clock()
+    loop = dataclasses.replace(LOOP, dry_run=case == "dry_run", warm_up=case != "off")
+    ctl, control, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, loop=loop)
+    dims = ["-1"] if case == "cannot" else ["16"]
+    control.configs["m"]["input"] = [{"name": "INPUT", "data_type": "TYPE_FP32", "dims": dims}]
+    if case == "own":
+        control.configs["m"]["model_warmup"] = [{"name": "mine", "batch_size": 4}]
+    if case == "refused":
+        load = control.load
+
+        def refuse(model, config=None):
+            if config and config.get("model_warmup"):
+                raise RuntimeError("load failed for model 'm': unexpected shape for input 'INPUT'")
+            load(model, config)
+        control.load = refuse
+    seen = []                                           # what the policy is told: do loads warm up?
+    decide = loop_mod.policy.decide
+    monkeypatch.setattr(loop_mod.policy, "decide", lambda obs, *a, **k: (seen.append(obs.loads_warm), decide(obs, *a, **k))[1])
+    run_ticks(ctl, clock, 1)
+    mm = ctl.models["m"]
+    mm.observer.service.cold_start = lambda: COLD       # what the settles would read of a model that starts cold
+    reasons = []
+    for _ in range(12):
+        run_ticks(ctl, clock, 1)
+        ctl.wait_for_pending()
+        reasons.append(mm.last_reason)
+    warmed = [r for r in reasons if r == loop_mod.WARM_UP]
+    status = loop_mod.warm_up_status(mm)
+    if case in ("warmed", "refused"):
+        assert len(warmed) == 1 and reasons[0] == "HoldWarmup", reasons           # once, after the start's gates
+        assert mm.state.backoff_until <= clock.t and mm.current == Settings(1, 0)
+    else:
+        assert not warmed and control.loads == [], (reasons, control.loads)
+    if case == "warmed":
+        cfg = control.configs["m"]
+        assert control.loads == [("m", Settings(1, 0))] and warmup.ours(cfg), control.loads
+        assert warmup.batch_sizes(cfg) == list(range(1, 9))                      # max_batch_size 8: every size
+        assert cfg["model_warmup"][0]["inputs"] == {"INPUT": {"data_type": "TYPE_FP32", "dims": ["16"], "zero_data": True}}
+        assert seen[-1] and not seen[0] and status == {"state": "added", "detail": "zero data at batch size(s) 1-8",
+                                                      "live": True, "by": "controller", "sizes": list(range(1, 9))}
+        result = ctl._actuators["m"].apply("m", Settings(2, 0))                  # a later change keeps it
+        assert result.ok and result.kind == "in_place" and warmup.ours(control.configs["m"])
+    elif case == "refused":
+        assert "model_warmup" not in control.configs["m"] and status["state"] == "failed" and not status["live"]
+        assert "unexpected shape" in status["detail"], status
+        assert sum("model_warmup failed" in r.getMessage() for r in caplog.records) == 1
+    elif case == "cannot":
+        assert status == {"state": "cannot", "live": False,
+                          "detail": "input 'INPUT' has a variable shape ['-1']: which shape would a warm-up send?"}
+        assert sum("cannot warm it up" in r.getMessage() for r in caplog.records) == 1
+    elif case == "own":
+        assert all(seen[1:]) and status == {"state": None, "detail": None, "live": True, "by": "model",
+                                                      "sizes": [4]}
+    else:
+        assert status is None and seen and not any(seen)
+    ctl.close()
