@@ -18,7 +18,7 @@ import pytest
 
 from conftest import live_stubs, open_loop, running_controller, sim_copy, sim_gpu_memory_mib, start_server
 from controller import groups
-from controller.actuation import TritonControl
+from controller.actuation import Actuator, TritonControl, settings_of
 from controller.config import ControllerConfig, LoopConfig, ModelLimits, ServerConfig
 from controller.gpu import SIM_GPU_MEMORY
 from controller.signals import Scraper
@@ -200,7 +200,6 @@ def test_the_ensemble_target_is_passed_to_its_step(repo_server, tmp_path, caplog
     import logging
 
     import numpy as np
-    from controller.actuation import Actuator
     from controller.types import Settings
     caplog.set_level(logging.INFO, logger="controller.loop")
     assert Actuator(TritonControl(repo_server.grpc_url, repo_server.http_url)).apply("sim2", Settings(2, 0)).ok
@@ -284,3 +283,25 @@ def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_roo
     # the decision log says where the instances are (what scripts/gpu_bench.sh prints for two real GPUs)
     assert records[0]["per_device"] == {"gpu0": 1, "gpu1": 1}
     assert any(r.get("per_device") in ({"gpu0": 1, "gpu1": 2}, {"gpu0": 1, "gpu1": 3}) for r in records)
+
+
+def test_warm_up_samples_load_on_a_model_without_batching_and_a_bls_model(repo_server):
+    """warmup.py's samples as Triton 2.51 takes them: batch size 1 of the declared [1, 16] for a model without
+    batching; every size up to 32 for the BLS model, whose samples call its callee during the load. Each model is put
+    back as it was (a full reload without them) for the module's other tests."""
+    from controller import warmup
+    act = Actuator(TritonControl(repo_server.grpc_url, repo_server.http_url))
+    for model, sizes in (("plain", [1]), ("bls", list(range(1, 33)))):
+        before = act.control.config(model)
+        assert not warmup.has_warmup(before)
+        samples, what = warmup.samples(before, {})
+        try:
+            result = act.warm_up(model, samples)
+            after = act.control.config(model)
+            assert result.ok and result.kind == "full_reload" and result.live == settings_of(before), result
+            assert warmup.ours(after) and warmup.batch_sizes(after) == sizes, (what, after.get("model_warmup"))
+            served = open_loop(repo_server, model, 40.0, 1.0, seed=3)
+            assert served and all(r.ok for r in served), [r.error for r in served if not r.ok][:3]
+        finally:
+            act.control.load(model, before)
+        assert not warmup.has_warmup(act.control.config(model))
