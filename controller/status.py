@@ -285,6 +285,8 @@ def _clock(wall: float | None) -> str:
 def _change(fr: dict | None, to: dict | None) -> str:
     if not to:
         return "?"
+    if fr == to:            # a reload of the same settings: a claim, a repair, a warm-up
+        return f"same settings ({_settings(to.get('instances'), to.get('delay_us'))})"
     if fr and fr.get("delay_us") == to.get("delay_us"):
         return f"{fr.get('instances')} -> {_settings(to.get('instances'), to.get('delay_us'))}"
     if fr:

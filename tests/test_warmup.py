@@ -81,8 +81,13 @@ def _rows(model: dict) -> dict[str, str]:
 
 
 def test_status_says_what_warms_the_model_and_why_not():
+    one = {"instances": 1, "delay_us": 0}
     rows = _rows(dict(SEEN, warm_up={"state": "added", "detail": "zero data at batch size(s) 1, 2", "live": True,
-                                     "by": "controller", "sizes": [1, 2]}))
+                                     "by": "controller", "sizes": [1, 2]},
+                      last_change={"time": 0, "ago_s": 25, "from": one, "to": one, "reason": "WarmUpColdStart",
+                                   "kind": "full_reload", "apply_s": 5.0, "ok": True}))
+    assert rows["last change"].endswith("(25 s ago) same settings (1 instance, delay 0 us): WarmUpColdStart "
+                                        "(full reload, 5.0 s)"), rows["last change"]
     assert rows["cold start"].endswith("75.0 ms each, against 9.0 ms after them: new instances now warm up before "
                                        "they serve (warm-up below)")
     assert rows["warm-up"] == ("Triton's model_warmup, added by the controller after it read a cold start "
