@@ -110,7 +110,7 @@ class ManagedModel:
         return self.observer.last
 
 
-WARM_UP = "WarmUpColdStart"     # the decision of a reload that adds Triton's model_warmup (ControlLoop._warm_up_now)
+WARM_UP = "WarmUpColdStart"     # the decision of a reload that adds Triton's model_warmup (Controller._warm_up_now)
 
 # the policy's gates: while one of these holds (start, a change settling), a claim's full reload would disturb it
 _NOT_QUIET = frozenset({"HoldWarmup", "HoldSettling", "HoldCooldown", "HoldBackoff", "HoldNoData"})
