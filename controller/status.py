@@ -260,6 +260,8 @@ def _warm_up_text(w: dict) -> str:
                 "again: warm it up in its initialize or give its config a model_warmup")
     if state == "cannot":
         return (f"not added: {w.get('detail')}; warm it up in its initialize or give its config a model_warmup")
+    if state == "added":     # an operator's load since then dropped it: the controller does not add it twice
+        return f"added by the controller ({w.get('detail')}), since gone from the live config: not added again"
     return f"{state}: {w.get('detail')}"
 
 

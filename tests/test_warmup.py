@@ -108,6 +108,9 @@ def test_status_says_what_warms_the_model_and_why_not():
                                      "live": False}))
     assert rows["warm-up"].startswith("the reload with Triton's model_warmup failed (zero data at batch size(s) 1: "
                                       "load failed); it serves on unwarmed, not tried again")
+    rows = _rows(dict(SEEN, warm_up={"state": "added", "detail": "zero data at batch size(s) 1-8", "live": False}))
+    assert rows["warm-up"] == ("added by the controller (zero data at batch size(s) 1-8), since gone from the live "
+                               "config: not added again")
     assert "warm-up" not in _rows(SEEN)
 
 
