@@ -813,9 +813,12 @@ class Controller:
                 or obs.cold_start is None or obs.loads_warm or mm.live_config is None \
                 or not decision.valid or not obs.valid or decision.reason in _NOT_QUIET:
             return False
-        if mm.kind is not None and (mm.kind.sequence_batching or not mm.kind.managed):
-            return False     # why: a full reload would end every live sequence (modelkind.py)
+        if mm.kind is not None and not mm.kind.managed:
+            return False
         samples, what = warmup.samples(mm.live_config, mm.observer.executed_sizes())
+        if mm.kind is not None and mm.kind.sequence_batching:
+            # why: the full reload that adds it would end every live sequence (modelkind.py)
+            samples, what = None, "a stateful model (sequence batcher): the full reload that adds one would end its live sequences"
         if samples is None:
             mm.warm_up = {"state": "cannot", "detail": what, "t": now}
             log.warning("%s: starts cold, and the controller cannot warm it up: %s; warm it up in its initialize "
@@ -1105,7 +1108,8 @@ class Controller:
             obs = mm.last_obs
             if obs is not None and obs.valid:
                 self._seen[mm.name] = (now, summarize_obs(obs))
-            models[mm.name] = model_status(mm, self._seen.get(mm.name), self.traces.describe(mm.name))
+            models[mm.name] = model_status(mm, self._seen.get(mm.name), self.traces.describe(mm.name),
+                                           warm_up_on=self.config.loop.warm_up and not self.config.loop.dry_run)
             models[mm.name]["owner"] = owner_status(mm, self.me)
             # who calls whom (BLS), as the request traces showed it: {model: calls a request}, [callers]; an
             # ensemble's steps are shown as such (ensemble_steps)
@@ -1189,8 +1193,9 @@ class Controller:
         self.control.close()
 
 
-def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str) -> dict:
-    """One model's part of the status snapshot (times still on the controller's clock: `*_t`)."""
+def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str, warm_up_on: bool = False) -> dict:
+    """One model's part of the status snapshot (times still on the controller's clock: `*_t`; `warm_up_on`: the
+    controller adds warm-ups, `warm_up_status`)."""
     d, obs, p = mm.last_decision, mm.last_obs, mm.pending
     return {
         "instances": None if mm.current is None or (mm.kind is not None and mm.kind.ensemble) else mm.current.instance_count,
@@ -1222,15 +1227,19 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
         "ensemble_steps": list(mm.kind.steps) if mm.kind is not None and mm.kind.ensemble else None,
         "per_device": dict(mm.per_device) if len(mm.per_device) > 1 else None,
         "stateful": bool(mm.kind is not None and mm.kind.sequence_batching) or None,   # `load` cannot drive it
-        "warm_up": warm_up_status(mm),
+        "warm_up": warm_up_status(mm, warm_up_on),
     }
 
 
-def warm_up_status(mm: ManagedModel) -> dict | None:
+def warm_up_status(mm: ManagedModel, on: bool = False) -> dict | None:
     """The live config's `model_warmup` (whose: "controller" or "model", its batch sizes) and this controller's
-    attempt (`ManagedModel.warm_up`); None where there is neither."""
+    attempt (`ManagedModel.warm_up`); with neither, state "waiting" where the model reads cold and the controller
+    adds warm-ups (`on`: `Controller._warm_up_now` waits for a quiet tick with room), else None."""
     cfg, tried = mm.live_config, mm.warm_up
     if not warmup.has_warmup(cfg) and tried is None:
+        obs = mm.last_obs
+        if on and cfg is not None and obs is not None and obs.valid and obs.cold_start is not None:
+            return {"state": "waiting", "detail": None, "live": False}
         return None
     out = {"state": tried["state"] if tried else None, "detail": tried["detail"] if tried else None}
     if warmup.has_warmup(cfg):

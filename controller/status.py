@@ -253,6 +253,9 @@ def _warm_up_text(w: dict) -> str:
                     + ("" if w.get("detail") else f" at batch size(s) {sizes}") + ")")
         return f"Triton's model_warmup, the model's own (batch size(s) {sizes})"
     state = w.get("state")
+    if state == "waiting":
+        return ("to be added by the controller (Triton's model_warmup, a full reload at the live settings) at a quiet "
+                "tick with no other reload in flight and room for a second copy")
     if state == "reloading":
         return f"adding Triton's model_warmup ({w.get('detail')}): a full reload in flight"
     if state == "failed":
@@ -497,6 +500,8 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                         f"{_num(cold.get('usual_ms'), 1)} ms after them")
                 rows.append(("cold start", seen + (": new instances now warm up before they serve (warm-up below)"
                                                    if wu.get("live") else
+                             ": the controller is adding a warm-up (below); until then every instance a reload starts "
+                             "serves its first requests slowly" if wu.get("state") in ("waiting", "reloading") else
                              ": warm the model up before it is ready (in initialize, or Triton's model_warmup); until "
                              "then every instance a reload starts serves its first requests slowly, and the planner "
                              "changes the delay (a full reload) only where it must")))

@@ -784,7 +784,7 @@ def test_a_models_section_is_the_whole_managed_set(caplog):
 COLD = {"instances": 1, "delay_us": 0, "executions": 25, "ms": 40.0, "usual_ms": 5.0, "excess_executions": 175.0}
 
 
-@pytest.mark.parametrize("case", ["warmed", "refused", "cannot", "own", "dry_run", "off"])
+@pytest.mark.parametrize("case", ["warmed", "refused", "cannot", "stateful", "own", "dry_run", "off"])
 def test_a_model_read_cold_is_warmed_up_once_at_a_quiet_tick(case, caplog, monkeypatch):
     """warmup.py: a model whose loads read cold gets Triton's model_warmup in one full reload at its live settings,
     after the start's gates; later changes keep it. A warm-up the server refuses is not tried again (and holds
@@ -800,6 +800,9 @@ def test_a_model_read_cold_is_warmed_up_once_at_a_quiet_tick(case, caplog, monke
     control.configs["m"]["input"] = [{"name": "INPUT", "data_type": "TYPE_FP32", "dims": dims}]
     if case == "own":
         control.configs["m"]["model_warmup"] = [{"name": "mine", "batch_size": 4}]
+    if case == "stateful":
+        control.configs["m"]["sequence_batching"] = {"max_sequence_idle_microseconds": 5000000}
+        del control.configs["m"]["dynamic_batching"]
     if case == "refused":
         load = control.load
 
@@ -839,13 +842,16 @@ def test_a_model_read_cold_is_warmed_up_once_at_a_quiet_tick(case, caplog, monke
         assert "model_warmup" not in control.configs["m"] and status["state"] == "failed" and not status["live"]
         assert "unexpected shape" in status["detail"], status
         assert sum("model_warmup failed" in r.getMessage() for r in caplog.records) == 1
-    elif case == "cannot":
-        assert status == {"state": "cannot", "live": False,
-                          "detail": "input 'INPUT' has a variable shape ['-1']: which shape would a warm-up send?"}
+    elif case in ("cannot", "stateful"):
+        why = ("input 'INPUT' has a variable shape ['-1']: which shape would a warm-up send?" if case == "cannot" else
+               "a stateful model (sequence batcher): the full reload that adds one would end its live sequences")
+        assert status == {"state": "cannot", "live": False, "detail": why}, status
         assert sum("cannot warm it up" in r.getMessage() for r in caplog.records) == 1
     elif case == "own":
         assert all(seen[1:]) and status == {"state": None, "detail": None, "live": True, "by": "model",
                                                       "sizes": [4]}
     else:
         assert status is None and seen and not any(seen)
+        # what a controller that adds warm-ups would show meanwhile: one to come
+        assert loop_mod.warm_up_status(mm, on=True) == {"state": "waiting", "detail": None, "live": False}
     ctl.close()

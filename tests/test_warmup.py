@@ -108,6 +108,11 @@ def test_status_says_what_warms_the_model_and_why_not():
                                      "live": False}))
     assert rows["warm-up"].startswith("the reload with Triton's model_warmup failed (zero data at batch size(s) 1: "
                                       "load failed); it serves on unwarmed, not tried again")
+    rows = _rows(dict(SEEN, warm_up={"state": "waiting", "detail": None, "live": False}))
+    assert rows["cold start"].endswith("9.0 ms after them: the controller is adding a warm-up (below); until then every "
+                                       "instance a reload starts serves its first requests slowly")
+    assert rows["warm-up"] == ("to be added by the controller (Triton's model_warmup, a full reload at the live "
+                               "settings) at a quiet tick with no other reload in flight and room for a second copy")
     rows = _rows(dict(SEEN, warm_up={"state": "added", "detail": "zero data at batch size(s) 1-8", "live": False}))
     assert rows["warm-up"] == ("added by the controller (zero data at batch size(s) 1-8), since gone from the live "
                                "config: not added again")
