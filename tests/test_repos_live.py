@@ -287,11 +287,12 @@ def test_the_memory_budget_holds_on_each_gpu_and_instances_go_where_there_is_roo
 
 def test_warm_up_samples_load_on_a_model_without_batching_and_a_bls_model(repo_server):
     """warmup.py's samples as Triton 2.51 takes them: batch size 1 of the declared [1, 16] for a model without
-    batching; every size up to 32 for the BLS model, whose samples call its callee during the load. Each model is put
-    back as it was (a full reload without them) for the module's other tests."""
+    batching; every size up to 32 for the BLS model, whose samples call its callee during the load. Over HTTP for
+    the one (its config JSON has `dims` as numbers and an empty `model_warmup` list), gRPC for the other. Each model
+    is put back as it was (a full reload without them) for the module's other tests."""
     from controller import warmup
-    act = Actuator(TritonControl(repo_server.grpc_url, repo_server.http_url))
-    for model, sizes in (("plain", [1]), ("bls", list(range(1, 33)))):
+    for model, sizes, protocol in (("plain", [1], "http"), ("bls", list(range(1, 33)), "grpc")):
+        act = Actuator(TritonControl(repo_server.grpc_url, repo_server.http_url, protocol=protocol))
         before = act.control.config(model)
         assert not warmup.has_warmup(before)
         samples, what = warmup.samples(before, {})
