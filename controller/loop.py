@@ -815,10 +815,7 @@ class Controller:
             return False
         if mm.kind is not None and not mm.kind.managed:
             return False
-        samples, what = warmup.samples(mm.live_config, mm.observer.executed_sizes())
-        if mm.kind is not None and mm.kind.sequence_batching:
-            # why: the full reload that adds it would end every live sequence (modelkind.py)
-            samples, what = None, "a stateful model (sequence batcher): the full reload that adds one would end its live sequences"
+        samples, what = _warm_up_samples(mm)
         if samples is None:
             mm.warm_up = {"state": "cannot", "detail": what, "t": now}
             log.warning("%s: starts cold, and the controller cannot warm it up: %s; warm it up in its initialize "
@@ -1231,15 +1228,25 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
     }
 
 
+def _warm_up_samples(mm: ManagedModel) -> tuple[list[dict] | None, str]:
+    """The warm-up `Controller._warm_up_now` would add to `mm`'s live config (warmup.samples), or (None, why not)."""
+    if mm.kind is not None and mm.kind.sequence_batching:
+        # why: the full reload that adds it would end every live sequence (modelkind.py)
+        return None, "a stateful model (sequence batcher): the full reload that adds one would end its live sequences"
+    return warmup.samples(mm.live_config or {}, mm.observer.executed_sizes())
+
+
 def warm_up_status(mm: ManagedModel, on: bool = False) -> dict | None:
     """The live config's `model_warmup` (whose: "controller" or "model", its batch sizes) and this controller's
-    attempt (`ManagedModel.warm_up`); with neither, state "waiting" where the model reads cold and the controller
-    adds warm-ups (`on`: `Controller._warm_up_now` waits for a quiet tick with room), else None."""
+    attempt (`ManagedModel.warm_up`); with neither, where the model reads cold and the controller adds warm-ups
+    (`on`), state "waiting" (`Controller._warm_up_now` waits for a quiet tick with room) or "cannot" (why), else None."""
     cfg, tried = mm.live_config, mm.warm_up
     if not warmup.has_warmup(cfg) and tried is None:
         obs = mm.last_obs
         if on and cfg is not None and obs is not None and obs.valid and obs.cold_start is not None:
-            return {"state": "waiting", "detail": None, "live": False}
+            samples, why = _warm_up_samples(mm)
+            return {"state": "waiting", "detail": None, "live": False} if samples is not None else \
+                {"state": "cannot", "detail": why, "live": False}
         return None
     out = {"state": tried["state"] if tried else None, "detail": tried["detail"] if tried else None}
     if warmup.has_warmup(cfg):

@@ -817,6 +817,9 @@ def test_a_model_read_cold_is_warmed_up_once_at_a_quiet_tick(case, caplog, monke
     run_ticks(ctl, clock, 1)
     mm = ctl.models["m"]
     mm.observer.service.cold_start = lambda: COLD       # what the settles would read of a model that starts cold
+    if case in ("cannot", "stateful"):                  # said before any quiet tick, by what the live config holds
+        run_ticks(ctl, clock, 1)
+        assert loop_mod.warm_up_status(mm, on=True)["state"] == "cannot" and mm.warm_up is None
     reasons = []
     for _ in range(12):
         run_ticks(ctl, clock, 1)
