@@ -116,6 +116,12 @@ WARM_UP = "WarmUpColdStart"     # the decision of a reload that adds Triton's mo
 _NOT_QUIET = frozenset({"HoldWarmup", "HoldSettling", "HoldCooldown", "HoldBackoff", "HoldNoData"})
 
 
+def _quiet(decision: Decision, obs: Observation) -> bool:
+    """A tick on which a full reload of the live settings (a claim, a warm-up) disturbs nothing: the policy holds on
+    valid data, past its warm-up and settling gates (_NOT_QUIET)."""
+    return decision.valid and obs.valid and decision.reason not in _NOT_QUIET
+
+
 def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) -> tuple[policy.PerfPoint, ...]:
     """A sweep's cells for `model` as the policy's perf memory, judged against this model's own target.
     A missing or unreadable file is a one-line warning, not a crash: the controller then learns online."""
@@ -793,16 +799,21 @@ class Controller:
             # why: a mark nobody can check (no /status to ask) would look alive, or stale, whatever this controller does
             return False
         if not self.config.loop.owner_mark or self.config.loop.dry_run or v is None or v.state == MINE \
-                or not v.may_act or not decision.valid or not obs.valid or decision.reason in _NOT_QUIET:
+                or not v.may_act or not _quiet(decision, obs):
             return False
         if mm.kind is not None and mm.kind.sequence_batching:
             return False     # why: the claim's full reload would end every live sequence (modelkind.py)
-        if any(o.pending is not None for o in self.models.values()) or now < mm.state.backoff_until \
-                or not policy.full_reload_fits(mm.current, mm.limits, mm.state, obs):
+        if not self._full_reload_may_go(mm, obs, now):
             return False
         detail = "unmarked" if v.mark is None else f"from {v.mark.owner}: {v.detail}"
         self._submit(mm, Decision(mm.current, "ClaimOwnership", detail=detail), obs, now, full=True, claim=True)
         return True
+
+    def _full_reload_may_go(self, mm: ManagedModel, obs: Observation, now: float) -> bool:
+        """Whether a full reload of `mm` at its live settings may start now (a claim's, a warm-up's): no reload in
+        flight anywhere, `mm` not in a backoff, and a second copy within its memory budget."""
+        return not any(o.pending is not None for o in self.models.values()) and now >= mm.state.backoff_until \
+            and policy.full_reload_fits(mm.current, mm.limits, mm.state, obs)
 
     def _warm_up_now(self, mm: ManagedModel, decision: Decision, obs: Observation, now: float) -> bool:
         """Reload a model that starts cold (`obs.cold_start`) once with Triton's `model_warmup` (warmup.py), at a
@@ -810,8 +821,7 @@ class Controller:
         reload was submitted. Tried once per model: a warm-up the model refuses fails the load (the old copy serves
         on) and is not tried again; one that cannot be made (`warmup.samples`) is said once."""
         if not self.config.loop.warm_up or self.config.loop.dry_run or mm.warm_up is not None \
-                or obs.cold_start is None or obs.loads_warm or mm.live_config is None \
-                or not decision.valid or not obs.valid or decision.reason in _NOT_QUIET:
+                or obs.cold_start is None or obs.loads_warm or mm.live_config is None or not _quiet(decision, obs):
             return False
         if mm.kind is not None and not mm.kind.managed:
             return False
@@ -821,8 +831,7 @@ class Controller:
             log.warning("%s: starts cold, and the controller cannot warm it up: %s; warm it up in its initialize "
                         "or give its config a model_warmup", mm.name, what)
             return False
-        if any(o.pending is not None for o in self.models.values()) or now < mm.state.backoff_until \
-                or not policy.full_reload_fits(mm.current, mm.limits, mm.state, obs):
+        if not self._full_reload_may_go(mm, obs, now):
             return False
         cold = obs.cold_start
         detail = (f"its first executions after a load took {_num1(cold.get('ms'))} ms against {_num1(cold.get('usual_ms'))} ms; "
