@@ -160,6 +160,8 @@ def summarize_obs(obs: Observation) -> dict:
         out["predicted_p99_ms"] = r(obs.predicted_p99_ms)
     if obs.predicted_mean_ms is not None:
         out["predicted_mean_ms"] = r(obs.predicted_mean_ms)
+    if obs.tail_check is not None:
+        out["tail_check"] = r(obs.tail_check, 3)
     if obs.service is not None:
         out["service"] = obs.service.summary()
     if obs.jitter is not None:
@@ -691,7 +693,10 @@ class Controller:
                                       device_util=policy.device_utilisation(obs), exec_rps=obs.exec_rps,
                                       avg_batch=obs.avg_batch_size, now=now, also=(ceiling,))
             n = mm.current.instance_count
+            factor, raw = planner.correction(mm.state.plan, now)
             mm.predicted, mm.predicted_t = {"capacity_rps": {k: v for k, v in caps.items() if abs(k - n) <= 1},
+                                            "correction": None if raw is None else
+                                            {"x": round(factor, 2), "from": mm.state.plan.ratio_source},
                                             # why: no curve yet for the live count (just changed): ask again next tick
                                             "mode": decision.mode, "live": mm.current if caps else None, "ceiling": ceiling,
                                             "at_ceiling_rps": caps.get(ceiling)}, now
@@ -1226,7 +1231,8 @@ def model_status(mm: ManagedModel, seen: tuple[float, dict] | None, tracing: str
                    for r in mm.history[-5:]],
         "capacity": None if mm.capacity is None else mm.capacity.as_dict(),   # the fleet scaler's figure
         "predicted": None if mm.predicted is None else {"capacity_rps": {str(k): v for k, v in mm.predicted["capacity_rps"].items()},
-                                                        "mode": mm.predicted["mode"]},
+                                                        "mode": mm.predicted["mode"],
+                                                        "correction": mm.predicted.get("correction")},
         "knobs": None if mm.kind is None else mm.kind.describe(),
         "target_from": None if mm.target_from is None else mm.target_from.why,
         "target_ensemble": None if mm.target_from is None else mm.target_from.ensemble,

@@ -812,7 +812,8 @@ BEST_EFFORT_GAIN = 0.9       # where nothing meets: a change only for a p99 pred
                              # holds the load: for a sustained rate 1/0.9 = 11% higher)
 RATIO_MAX_AGE_S = 90.0
 MIN_RATIO_SAMPLES = 20       # a window's traced p99 (or, untraced, its mean) rests on at least this many requests
-RATIO_SOURCES = ("trace", "mean")   # what a window's ratio compares: traced p99s, or (untraced) mean latencies
+RATIO_SOURCES = ("trace", "mean", "mean_tail")   # what a window's ratio compares: traced p99s, or (untraced) mean
+                                                 # latencies, alone or times the summaries' tail (policy.window_check)
 OBSERVED_OK_SAMPLES = 100    # a scale-up is held when the live config was seen meeting the margin: over this many
 OBSERVED_OK_AGE_S = 2.0      # traced requests, with the forecast's high end reached at least this long ago
 
@@ -879,7 +880,9 @@ def record_ratio(state: PlannerState, observed: float | None, predicted: float |
     1 + DISAGREE, set aside for the reactive rules; one whose means run fast is left as predicted (it may
     over-provision, never under-). Example: a window untraced over 900 requests, mean 19.8 ms where the
     simulation's mean is 16.5 ms: ratio 1.2, and every prediction is multiplied by it as by a traced window's;
-    mean 14.0 ms: recorded as 1.0.
+    mean 14.0 ms: recorded as 1.0. "mean_tail": the mean times what the summaries measured of the tail against
+    the simulation's (`observer.ModelObserver._check_tail`), a p99 ratio as a traced window's, recorded as it is
+    (the tail is measured, so a mean that runs fast may lower it): mean ratio 0.9 x tail 1.34 records 1.21.
 
     `since`: where the window began (None: unknown, taken as new). A window that overlaps the last one
     recorded is skipped: decisions come every tick, windows span many ticks, and a one-second stall would
@@ -897,7 +900,7 @@ def record_ratio(state: PlannerState, observed: float | None, predicted: float |
     last = state.ratios[-1][0] if state.ratios else None     # end of the last recorded window
     if since is not None and last is not None and since < last <= now:
         return state
-    ratio = observed / predicted if source == "trace" else max(1.0, observed / predicted)
+    ratio = max(1.0, observed / predicted) if source == "mean" else observed / predicted
     kept = tuple(r for r in state.ratios if now - r[0] <= RATIO_MAX_AGE_S)
     by_config = state.by_config
     if live is not None:
@@ -908,6 +911,10 @@ def record_ratio(state: PlannerState, observed: float | None, predicted: float |
         by_config = (by_config + ((live, now, mine),))[-CONFIG_RATIO_KEPT:]
     return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config,
                                ratio_source=source)
+
+
+CORRECTION_FROM = {"mean": " (from mean latencies)",
+                   "mean_tail": " (from mean latencies x the summaries' tail)"}
 
 
 def config_correction(state: PlannerState, settings: Settings, default: float, now: float) -> float:
@@ -1042,7 +1049,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
         return fallback("too little data: no service curve measured for the live instance count yet", state)
     factor, raw = correction(state, now)
     if raw is not None and not (1 - DISAGREE) <= raw <= 1 + DISAGREE:
-        what = "mean latency" if state.ratio_source == "mean" else "p99"
+        what = {"mean": "mean latency", "mean_tail": "p99 (mean latency x the summaries' tail)"}.get(
+            state.ratio_source, "p99")
         return fallback(f"observed {what} is {raw:.2f}x the predicted over recent windows", state)
     horizon = state.reload_s + inputs.interval_s
     if inputs.forecast is not None and inputs.forecast.ticks >= 3:
@@ -1251,8 +1259,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
              f"gamma {model.gamma:.2f} ({model.gamma_source}), "
              + (f"batcher's own wait {model.implicit_us} us (measured), " if model.implicit_us else "")
              + (f"executions p99 {jitter.at(0.99):.1f}x their mean, " if jitter is not None and jitter.quantiles else "")
-             + f"correction {factor:.2f}" + (" (from mean latencies)" if raw is not None and state.ratio_source == "mean"
-                                             else ""))
+             + f"correction {factor:.2f}" + (CORRECTION_FROM.get(state.ratio_source, "") if raw is not None else ""))
     keep = dataclasses.replace(state, smaller_ticks=0, smaller_best=None)
     if live_c is not None and live_c.meets:
         # consolidation: the fewest predicted under the stricter margin (not the fewest under 0.9x: that one

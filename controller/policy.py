@@ -622,12 +622,18 @@ def observed_ok(obs: Observation, plan: "planner.Plan", inputs: PlanInputs, limi
 def window_check(obs: Observation) -> tuple[float | None, float | None, str, int]:
     """What the planner checks itself against in this window (`planner.record_ratio`): (observed, predicted,
     source, requests). The traced p99 where requests were traced; otherwise the counters' mean latency against
-    the predicted mean, over the window's completed requests. Example: untraced, 10 s at 90 req/s completed,
-    mean 12.1 ms, predicted mean 11.0 -> (12.1, 11.0, "mean", 900): ratio 1.1."""
+    the predicted mean, over the window's completed requests, and, once the summaries have measured how the
+    model's tail compares with the simulation's (`Observation.tail_check`), that mean times it ("mean_tail": a
+    p99 ratio, as a traced window's). Example: untraced, 10 s at 90 req/s completed, mean 12.1 ms, predicted
+    mean 11.0 -> (12.1, 11.0, "mean", 900): ratio 1.1; with a tail check of 1.2: (14.52, 11.0, "mean_tail",
+    900): ratio 1.32."""
     if obs.p99_source == "trace":
         return obs.p99_ms, obs.predicted_p99_ms, "trace", obs.p99_samples
-    return (obs.request_ms_mean if obs.request_ms_mean > 0 else None, obs.predicted_mean_ms, "mean",
-            int(round(obs.completion_rps * obs.span_s)))
+    mean = obs.request_ms_mean if obs.request_ms_mean > 0 else None
+    requests = int(round(obs.completion_rps * obs.span_s))
+    if mean is not None and obs.tail_check is not None:
+        return mean * obs.tail_check, obs.predicted_mean_ms, "mean_tail", requests
+    return mean, obs.predicted_mean_ms, "mean", requests
 
 
 def decide_by_model(obs: Observation, current: Settings, state: PolicyState, limits: ModelLimits, now: float,

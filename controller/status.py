@@ -244,6 +244,18 @@ def _share(x: Any) -> str:
     return f"{x:.1%}" if abs(x) < 0.095 else f"{x:.0%}"
 
 
+CORRECTION_FROM = {"trace": "traced p99s", "mean": "mean latencies (untraced; the tail not yet checked)",
+                   "mean_tail": "mean latencies x the tail Triton's summaries measured (untraced)"}
+
+
+def _correction_text(c) -> str:
+    """The factor the planner's predictions carry (observed / predicted over recent windows) and what it compares.
+    Example: {"x": 1.18, "from": "mean_tail"} -> "; predictions x 1.18, from mean latencies x the tail ..."."""
+    if not isinstance(c, dict) or not isinstance(c.get("x"), (int, float)):
+        return ""
+    return f"; predictions x {c['x']:.2f}, from " + CORRECTION_FROM.get(c.get("from"), str(c.get("from") or "?"))
+
+
 def _warm_up_text(w: dict) -> str:
     """The warm-up row: the live config's model_warmup, or why the controller did not add one (loop.warm_up_status)."""
     sizes = warmup.spans(w.get("sizes") or [])
@@ -526,7 +538,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
             parts = [f"{n} instance(s) {_num(v, 1) if v is not None else '?'} req/s" + (" (live)" if str(n) == str(live) else "")
                      for n, v in sorted(caps.items(), key=lambda kv: int(kv[0]))]
             rows.append(("predicted", f"within the target: {'; '.join(parts)}"
-                         + (f"  [{pred['mode']}]" if pred.get("mode") else "")))
+                         + (f"  [{pred['mode']}]" if pred.get("mode") else "") + _correction_text(pred.get("correction"))))
         if ens:
             pass    # never reloaded, nothing held: the model row says so, and its steps carry the decisions
         elif m.get("reason"):

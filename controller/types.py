@@ -64,6 +64,8 @@ class Observation:
     tail_ratio_measured: bool = False     # ... learned from the server's summaries (False: the default, 2.0)
     predicted_p99_ms: float | None = None  # planner.simulate for the live config at this arrival rate (the planner's check)
     predicted_mean_ms: float | None = None  # ... and its mean latency (the check where no request is traced)
+    tail_check: float | None = None       # untraced: the summaries' p99/mean over the simulation's for their last quiet
+                                          # minute (observer._check_tail); None when traced or not yet measured
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
     busy_source: str = "requests"         # "batch_stats" (exact: observer) | "requests" (signals.busy_fraction: reads high)
     gpus: tuple[GpuObservation, ...] = ()

@@ -219,3 +219,23 @@ def test_status_shows_the_figure():
     # a trickle of load reads as what it is, not as "0.00" (seen: 5.2 req/s of 1,673 at 8 instances)
     from controller.status import _share
     assert [_share(x) for x in (5.2 / 1673.2, 0.0, 0.5, None, "x")] == ["0.3%", "0.0%", "50%", "?", "?"]
+
+
+def test_status_shows_the_predicted_capacities_and_what_corrects_them():
+    from test_newcomer import SEEN
+
+    from controller.status import format_model
+
+    def row(pred):
+        return dict((ln[:15].strip(), ln[15:]) for ln in format_model("m", dict(SEEN, instances=2, predicted=pred))[1:])
+
+    pred = {"capacity_rps": {"1": 120.0, "2": 260.5, "3": None}, "mode": "model"}
+    assert row(pred)["predicted"] == ("within the target: 1 instance(s) 120.0 req/s; 2 instance(s) 260.5 req/s "
+                                      "(live); 3 instance(s) ? req/s  [model]")
+    untraced = row(dict(pred, correction={"x": 1.18, "from": "mean_tail"}))["predicted"]
+    assert untraced.endswith("[model]; predictions x 1.18, from mean latencies x the tail Triton's summaries "
+                             "measured (untraced)"), untraced
+    assert row(dict(pred, correction={"x": 1.0, "from": "mean"}))["predicted"].endswith(
+        "; predictions x 1.00, from mean latencies (untraced; the tail not yet checked)")
+    assert row(dict(pred, correction={"x": 1.21, "from": "trace"}))["predicted"].endswith("; predictions x 1.21, from traced p99s")
+    assert row(dict(pred, correction=None))["predicted"].endswith("[model]")

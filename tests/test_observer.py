@@ -275,3 +275,72 @@ def test_the_tail_ratio_waits_where_the_statistics_do_not_reach_a_minute_back_or
     # no statistics ever read (nothing to tell by), or none that count executions (an ensemble): as before
     assert _tail_run(lambda t: None, lambda t: 12.0, 30).tail_ratio_measured
     assert _tail_run(lambda t: _since_load(0, batch_stats=False), lambda t: 12.0, 62).tail_ratio_measured
+
+
+# Untraced, the summaries' tail is checked against the simulation's (observer._check_tail): the summary's p99 over the
+# counters' mean, against the simulated p99 over its mean for the same minute's loads; the planner multiplies each
+# window's mean ratio by it (policy.window_check).
+
+def _tail_check_run(p99_ms: float, until: int, predicted=(22.0, 11.0), change_at: int | None = None,
+                    stats_from: int = 5000) -> ModelObserver:
+    """`_tail_run` at 30 req/s (mean 6 ms), the summary's p99 `p99_ms`, with the minute's prediction as given
+    (p99, mean) where it is not None (the real simulation where it is)."""
+    import dataclasses
+    from unittest import mock
+
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    real = o._window_prediction
+    calls = []
+
+    def prediction(obs, live, max_batch, fit, jitter, parts):
+        if obs.span_s >= 50:            # the minute's, not the window's (10 s)
+            calls.append(parts)
+        return real(obs, live, max_batch, fit, jitter, parts) if predicted is None or obs.span_s < 50 else predicted
+
+    with mock.patch.object(o, "_window_prediction", side_effect=prediction):
+        for t in range(0, until + 1):
+            c = dataclasses.replace(counters(float(t), 30.0), p99_us=1000.0 * p99_ms)
+            o.add_scrape(float(t), c, _since_load(stats_from + 30 * t), LIVE)
+            if change_at is not None and t == change_at:
+                o.mark_change(float(t))
+            o.last_obs = o.observe(float(t), LIVE, max_batch_size=8)
+    o.minute_predictions = calls
+    return o
+
+
+def test_the_tail_check_is_the_summaries_p99_over_mean_against_the_simulations():
+    o = _tail_check_run(15.0, 62)               # 15 / 6 = 2.5 measured; 22 / 11 = 2.0 predicted
+    assert o.tail_check == pytest.approx(1.25)
+    assert o.last_obs.tail_check == pytest.approx(1.25) and o.last_obs.p99_source == "mean_x_tail_ratio"
+    # the minute's loads: one steady 30 req/s over the minute's ticks
+    (rate, share), = o.minute_predictions[-1]
+    assert rate == pytest.approx(30.0, rel=0.01) and share == pytest.approx(1.0)
+    # the same shape measured as predicted: 1.0; the readings are bounded (one odd minute cannot swing it)
+    assert _tail_check_run(12.0, 62).tail_check == pytest.approx(1.0)
+    assert _tail_check_run(60.0, 62).tail_check == pytest.approx(2.0)       # 10 / 2 = 5, read as 2.0
+    assert _tail_check_run(6.0, 62).tail_check == pytest.approx(0.67)       # 1 / 2 = 0.5, read as 0.67
+
+
+def test_the_tail_check_waits_for_a_quiet_minute_and_moves_slowly():
+    assert _tail_check_run(15.0, 58).tail_check is None                    # not yet a minute of counters
+    assert _tail_check_run(15.0, 58).last_obs.tail_check is None
+    # a change 20 s in: the summaries hold the old configuration until a minute after it
+    assert _tail_check_run(15.0, 79, change_at=20).tail_check is None
+    assert _tail_check_run(15.0, 81, change_at=20).tail_check == pytest.approx(1.25)
+    # a minute that may hold the model's first executions since it loaded is not read (as for the tail ratio)
+    assert _tail_check_run(15.0, 61, stats_from=0).tail_check is None      # the read at 1 s counts 30 executions
+    assert _tail_check_run(15.0, 61).tail_check == pytest.approx(1.25)      # 5,030: long warm
+    # one reading every TAIL_CHECK_EVERY_S, each moving it a fifth of the way
+    from controller.observer import TAIL_CHECK_EVERY_S
+    o = _tail_check_run(15.0, 62 + int(3 * TAIL_CHECK_EVERY_S))
+    assert len(o.minute_predictions) == 4 and o.tail_check == pytest.approx(1.25)
+
+
+def test_the_tail_check_runs_the_real_simulation_and_is_not_kept_where_traced():
+    o = _tail_check_run(40.0, 62, predicted=None)       # 8-ms executions at 30 req/s: queueing adds little
+    assert o.tail_check is not None and 1.0 < o.tail_check <= 2.0
+    # traced: the window's traced p99 is checked directly, the observation carries no tail check
+    import dataclasses
+    traced = dataclasses.replace(o.last_obs, p99_source="trace")
+    from controller import policy
+    assert policy.window_check(traced)[2] == "trace"

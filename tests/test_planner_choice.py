@@ -564,6 +564,32 @@ def test_the_policy_checks_the_traced_p99_where_traced_and_the_mean_where_not():
     # a window that completed nothing has no mean to compare
     idle = obs(0.0, completion_rps=0.0, request_ms_mean=0.0, p99_ms=None, p99_source="none", predicted_mean_ms=8.0)
     assert policy.window_check(idle)[0] is None
+    # once the summaries have checked the tail against the simulation's (observer._check_tail), the mean times it:
+    # a p99 ratio, recorded as it is (a mean that runs fast may lower it, the tail being measured)
+    tailed = dataclasses.replace(untraced, tail_check=1.3)
+    assert policy.window_check(tailed) == (pytest.approx(13.0), 8.0, "mean_tail", 1000)
+    _, after = decide(tailed, S(1))
+    assert [r for _, r in after.plan.ratios] == [pytest.approx(1.625)] and after.plan.ratio_source == "mean_tail"
+    fast = dataclasses.replace(untraced, tail_check=1.3, predicted_mean_ms=12.5)      # mean 0.8x, tail 1.3x
+    _, after = decide(fast, S(1))
+    assert [r for _, r in after.plan.ratios] == [pytest.approx(1.04)]
+    _, alone = decide(dataclasses.replace(fast, tail_check=None), S(1))
+    assert [r for _, r in alone.plan.ratios] == [1.0]                    # the mean alone only ever raises
+    # traced, the tail check is not used (the observer sets none; were one there, the traced p99 decides)
+    assert policy.window_check(dataclasses.replace(traced, tail_check=1.3))[2] == "trace"
+
+
+def test_the_decision_says_the_correction_came_from_the_means_and_the_summaries_tail():
+    s = PlannerState()
+    for k in range(3):
+        s = record_ratio(s, 12.0 * 1.2, 11.0, "mean_tail", 900, 100.0 + 10 * k)
+    p = run(S(1), 100.0, inputs(1), s, now=121.0)
+    assert p.usable and "correction 1.31 (from mean latencies x the summaries' tail)" in p.detail, p.detail
+    for k in range(3):
+        s = record_ratio(s, 12.0 * 1.9, 11.0, "mean_tail", 900, 130.0 + 10 * k)
+    p = run(S(1), 100.0, inputs(1), s, now=151.0)
+    assert not p.usable and p.detail == ("observed p99 (mean latency x the summaries' tail) is 2.07x the predicted "
+                                         "over recent windows"), p.detail
 
 
 # ---- the policy with the planner on --------------------------------------------------------------
