@@ -1105,11 +1105,16 @@ class Controller:
     def _log_observation(self, mm: ManagedModel, now: float) -> None:
         if self.observation_log.path is None or mm.last_obs is None:
             return
-        self.observation_log.write({"time": time.time(), "t": round(now, 3), "model": mm.name,
-                                    "current": _asdict(mm.current), "reason": mm.last_reason,
-                                    # who decided this tick: "model", "fallback", "reactive"; None for a gate's hold
-                                    "mode": (mm.last_decision.mode or None) if mm.last_decision is not None else None,
-                                    "target_ms": mm.limits.p99_target_ms, "obs": summarize_obs(mm.last_obs)})
+        record = {"time": time.time(), "t": round(now, 3), "model": mm.name,
+                  "current": _asdict(mm.current), "reason": mm.last_reason,
+                  # who decided this tick: "model", "fallback", "reactive"; None for a gate's hold
+                  "mode": (mm.last_decision.mode or None) if mm.last_decision is not None else None,
+                  "target_ms": mm.limits.p99_target_ms, "obs": summarize_obs(mm.last_obs)}
+        factor, raw = planner.correction(mm.state.plan, now)
+        if self.config.loop.planner and raw is not None:
+            # what the planner multiplies its predictions by now, and what its recent windows compared
+            record["correction"] = {"x": round(factor, 3), "from": mm.state.plan.ratio_source}
+        self.observation_log.write(record)
 
     # -- what the controller sees, for /status -----------------------------------------------------
     def _publish(self, now: float) -> None:

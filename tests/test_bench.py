@@ -521,6 +521,12 @@ def test_signal_accuracy_matches_each_reading_to_the_clients_of_the_same_seconds
     assert doc["trace_share_busy"] == pytest.approx(19 / 20)
     assert len(doc["readings"]) == 20
     assert a["predicted_p99_ms"] == pytest.approx(13.0) and a["predicted_median_abs_error"] == pytest.approx(0.3, abs=0.01)
+    # as the planner applied it: no correction logged is 1.0; a tick's correction multiplies its prediction
+    assert a["corrected_p99_ms"] == pytest.approx(13.0)
+    corrected = [dict(o, correction=0.8) for o in observations]
+    a = signal_accuracy(corrected, records, trace)["p99_error_by_phase"]["a"]
+    assert a["corrected_p99_ms"] == pytest.approx(10.4) and a["corrected_median_abs_error"] == pytest.approx(0.04, abs=0.01)
+    assert a["predicted_p99_ms"] == pytest.approx(13.0)
 
 
 def test_signal_targets_say_missed_when_a_phase_reads_wrong():

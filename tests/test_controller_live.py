@@ -199,6 +199,9 @@ def _trace_follows_the_client(sim_server, tmp_path):
             errors.append(r["obs"]["p99_ms"] / client - 1)
         # 2 shared cores: the client adds its own scheduling delay; a reading within 35% (median) is the bar here
         assert abs(float(np.median(errors))) <= 0.35, (rate, errors)
+    # the log says what the planner multiplied its predictions by, and that traced windows set it
+    corrected = [r["correction"] for r in _records(obs_log) if r.get("correction")]
+    assert corrected and all(c["from"] == "trace" and 0.5 < c["x"] < 2.0 for c in corrected), corrected[-5:]
     from controller.traces import TraceApi, trace_release_unsafe
     api = TraceApi(sim_server.http_url)
     assert api.setting(MODEL)["trace_level"] == ["OFF"]     # turned off on the way out

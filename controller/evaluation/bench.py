@@ -300,7 +300,8 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
     completed in that same span (`error` = reading / client - 1). Per phase: the median reading, the
     client p99 of the whole phase, the median absolute matched error and the share of readings that
     came from traces, and, where the observations carry the planner's prediction for the live config
-    (`predicted_p99_ms`), its median and median absolute error against the same client windows. Per
+    (`predicted_p99_ms`), its median and median absolute error against the same client windows, raw (the
+    simulation's) and as the planner applies it (times the tick's `correction`, 1.0 where none is logged). Per
     step change of the offered rate: seconds until `SIGNAL_HOLD_READINGS`
     readings in a row are within `tolerance` of the client (None: never before the next step).
 
@@ -342,6 +343,10 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
             "predicted_p99_ms": _round(float(np.median([m["predicted_p99_ms"] for m in predicted]))) if predicted else None,
             "predicted_median_abs_error": _round(float(np.median([abs(m["predicted_p99_ms"] / m["client_p99_ms"] - 1)
                                                                   for m in predicted])), 3) if predicted else None,
+            # ... and as the planner used it: times the correction of that tick (observed / predicted, recent windows)
+            "corrected_p99_ms": _round(float(np.median([_corrected(m) for m in predicted]))) if predicted else None,
+            "corrected_median_abs_error": _round(float(np.median([abs(_corrected(m) / m["client_p99_ms"] - 1)
+                                                                  for m in predicted])), 3) if predicted else None,
             "within_tolerance": (float(np.median(errors)) <= tolerance) if judged else None,
         }
     follow = []
@@ -363,6 +368,11 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
             "readings": readings, "predictions": predictions,
             "step_follow_s": follow,
             "trace_share_busy": _round(sum(o["p99_source"] == "trace" for o in busy) / len(busy), 3) if busy else None}
+
+
+def _corrected(m: dict) -> float:
+    """A matched observation's predicted p99 as the planner applied it (times its correction, 1.0 if none)."""
+    return m["predicted_p99_ms"] * (m.get("correction") or 1.0)
 
 
 SERVER_EXEC_MIN = 20            # executions of one batch size in a phase before its mean time is reported
@@ -413,7 +423,8 @@ def observations_for_bench(path: Path, model: str, wall0: float) -> list[dict]:
             continue
         out.append({"t_s": rec["time"] - wall0, "p99_ms": obs.get("p99_ms"), "p99_source": obs.get("p99_source"),
                     "span_s": obs.get("span_s"), "arrival_rps": obs.get("arrival_rps"),
-                    "predicted_p99_ms": obs.get("predicted_p99_ms")})
+                    "predicted_p99_ms": obs.get("predicted_p99_ms"),
+                    "correction": (rec.get("correction") or {}).get("x", 1.0)})
     return out
 
 
@@ -726,6 +737,11 @@ def format_summary(summary: dict) -> str:
             f"{k} {_f(v['controller_p99_ms'])}/{_f(v['client_p99_ms'])} ms "
             f"{_f(v['median_abs_error'], '{:.0%}')} {_f(v['trace_share'], '{:.0%}')}"
             for k, v in summary["signal"]["p99_error_by_phase"].items()))
+        phases = {k: v for k, v in summary["signal"]["p99_error_by_phase"].items() if v.get("predicted_p99_ms") is not None}
+        if phases:
+            lines.append("planner's p99 for the live config, raw / as applied (x its correction) / client, ms: " + ", ".join(
+                f"{k} {_f(v['predicted_p99_ms'])}/{_f(v.get('corrected_p99_ms'))}/{_f(v['client_p99_ms'])}"
+                for k, v in phases.items()))
         for name, t in summary["signal_targets"].items():
             verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
             lines.append(f"  signal {name:<35} {t.get('target', ''):>8}  value {t['value']!s:>8}  {verdict}")
