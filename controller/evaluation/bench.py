@@ -362,7 +362,8 @@ def signal_accuracy(observations: Sequence[dict], records: Sequence, trace: Trac
     busy = [o for o in observations if (o.get("arrival_rps") or 0) >= min_rps and o.get("p99_ms") is not None]
     readings = [[round(o["t_s"], 2), o["p99_ms"], o["p99_source"]] for o in observations
                 if o.get("p99_ms") is not None and 0 <= o["t_s"] <= trace.duration_s]
-    predictions = [[round(o["t_s"], 2), o["predicted_p99_ms"]] for o in observations
+    # (time, the simulation's p99, as the planner applied it: times the tick's correction)
+    predictions = [[round(o["t_s"], 2), o["predicted_p99_ms"], round(_corrected(o), 3)] for o in observations
                    if o.get("predicted_p99_ms") is not None and 0 <= o["t_s"] <= trace.duration_s]
     return {"tolerance": tolerance, "readings_matched": len(matched), "p99_error_by_phase": by_phase,
             "readings": readings, "predictions": predictions,
@@ -787,8 +788,14 @@ def plot_timeline(trace: Trace, summary: dict, bins: dict[str, list[dict]], path
                      label="controller's p99 reading (adaptive)")
     predictions = (summary.get("signal") or {}).get("predictions") or []
     if predictions:
-        axes[2].plot([r[0] for r in predictions], [r[1] for r in predictions], "x", color="tab:purple", markersize=3,
-                     label="planner's predicted p99, live config (adaptive)")
+        applied = [r for r in predictions if len(r) > 2]       # summaries before the correction was logged: raw only
+        if applied:
+            axes[2].plot([r[0] for r in predictions], [r[1] for r in predictions], ".", color="tab:purple", alpha=0.35,
+                         markersize=2, label="planner's p99, live config, raw (adaptive)")
+        axes[2].plot([r[0] for r in (applied or predictions)], [r[-1] for r in (applied or predictions)], "x",
+                     color="tab:purple", markersize=3,
+                     label="planner's p99, live config, x its correction (adaptive)" if applied
+                     else "planner's predicted p99, live config (adaptive)")
     axes[2].axhline(sla_ms, color="red", linestyle=":", linewidth=1, label=f"SLA {sla_ms:g} ms")
     axes[2].set_yscale("log")
     titles = ["offered rate (req/s)", "goodput (req/s within SLA)", "p99 (ms, per 1-s bin)", "instances",
