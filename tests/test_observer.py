@@ -344,3 +344,10 @@ def test_the_tail_check_runs_the_real_simulation_and_is_not_kept_where_traced():
     traced = dataclasses.replace(o.last_obs, p99_source="trace")
     from controller import policy
     assert policy.window_check(traced)[2] == "trace"
+
+
+def test_the_tail_check_is_logged_with_the_observation():
+    from controller.loop import summarize_obs
+    o = _tail_check_run(15.0, 62)
+    assert summarize_obs(o.last_obs)["tail_check"] == 1.25
+    assert "tail_check" not in summarize_obs(_tail_check_run(15.0, 58).last_obs)
