@@ -244,7 +244,7 @@ def _share(x: Any) -> str:
     return f"{x:.1%}" if abs(x) < 0.095 else f"{x:.0%}"
 
 
-CORRECTION_FROM = {"trace": "traced p99s", "mean": "mean latencies (untraced; the tail not yet checked)",
+CORRECTED_BY = {"trace": "traced p99s", "mean": "mean latencies (untraced; the tail not yet checked)",
                    "mean_tail": "mean latencies x the tail Triton's summaries measured (untraced)"}
 
 
@@ -253,7 +253,7 @@ def _correction_text(c) -> str:
     Example: {"x": 1.18, "from": "mean_tail"} -> "; predictions x 1.18, from mean latencies x the tail ..."."""
     if not isinstance(c, dict) or not isinstance(c.get("x"), (int, float)):
         return ""
-    return f"; predictions x {c['x']:.2f}, from " + CORRECTION_FROM.get(c.get("from"), str(c.get("from") or "?"))
+    return f"; predictions x {c['x']:.2f}, from " + CORRECTED_BY.get(c.get("from"), str(c.get("from") or "?"))
 
 
 def _warm_up_text(w: dict) -> str:
