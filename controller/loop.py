@@ -122,6 +122,13 @@ def _quiet(decision: Decision, obs: Observation) -> bool:
     return decision.valid and obs.valid and decision.reason not in _NOT_QUIET
 
 
+def _correction(state: planner.PlannerState, now: float) -> dict | None:
+    """What the planner multiplies its predictions by now and what its recent windows compared (for the
+    observation log and `status`); None without a recent window."""
+    factor, raw = planner.correction(state, now)
+    return None if raw is None else {"x": round(factor, 3), "from": state.ratio_source}
+
+
 def warm_start_points(path: str, model: str, limits: ModelLimits, now: float) -> tuple[policy.PerfPoint, ...]:
     """A sweep's cells for `model` as the policy's perf memory, judged against this model's own target.
     A missing or unreadable file is a one-line warning, not a crash: the controller then learns online."""
@@ -693,10 +700,8 @@ class Controller:
                                       device_util=policy.device_utilisation(obs), exec_rps=obs.exec_rps,
                                       avg_batch=obs.avg_batch_size, now=now, also=(ceiling,))
             n = mm.current.instance_count
-            factor, raw = planner.correction(mm.state.plan, now)
             mm.predicted, mm.predicted_t = {"capacity_rps": {k: v for k, v in caps.items() if abs(k - n) <= 1},
-                                            "correction": None if raw is None else
-                                            {"x": round(factor, 2), "from": mm.state.plan.ratio_source},
+                                            "correction": _correction(mm.state.plan, now),
                                             # why: no curve yet for the live count (just changed): ask again next tick
                                             "mode": decision.mode, "live": mm.current if caps else None, "ceiling": ceiling,
                                             "at_ceiling_rps": caps.get(ceiling)}, now
@@ -1110,10 +1115,9 @@ class Controller:
                   # who decided this tick: "model", "fallback", "reactive"; None for a gate's hold
                   "mode": (mm.last_decision.mode or None) if mm.last_decision is not None else None,
                   "target_ms": mm.limits.p99_target_ms, "obs": summarize_obs(mm.last_obs)}
-        factor, raw = planner.correction(mm.state.plan, now)
-        if self.config.loop.planner and raw is not None:
-            # what the planner multiplies its predictions by now, and what its recent windows compared
-            record["correction"] = {"x": round(factor, 3), "from": mm.state.plan.ratio_source}
+        correction = _correction(mm.state.plan, now)
+        if self.config.loop.planner and correction is not None:
+            record["correction"] = correction
         self.observation_log.write(record)
 
     # -- what the controller sees, for /status -----------------------------------------------------

@@ -197,7 +197,8 @@ class ModelObserver:
             self._utilisation.popleft()
         if obs.valid and devices:
             obs = dataclasses.replace(obs, gpus=self._window_utilisation(devices, obs.since, now))
-        self._calibrate_tail(now, live)
+        quiet = self._quiet_minute(now, live)      # read once a tick, for the tail ratio and the tail check
+        self._calibrate_tail(quiet)
         traced = self.traces.summary(now, now - obs.since, since=obs.since) if obs.valid else None
         obs = self._latency(obs, traced)
         if obs.valid and obs.completion_rps > 0:
@@ -211,8 +212,8 @@ class ModelObserver:
                 self._note_implicit(now, obs, live, max(1, max_batch_size), fit, jitter, parts)
             p99, mean = (None, None) if fit is None else \
                 self._window_prediction(obs, live, max(1, max_batch_size), fit, jitter, parts)
-            if fit is not None and obs.p99_source != "trace":
-                self._check_tail(now, live, max(1, max_batch_size), fit, jitter)
+            if fit is not None and quiet is not None and obs.p99_source != "trace":
+                self._check_tail(now, quiet, live, max(1, max_batch_size), fit, jitter)
             obs = dataclasses.replace(obs, service=fit, jitter=jitter, cold_start=self.service.cold_start(),
                                       predicted_p99_ms=p99, predicted_mean_ms=mean,
                                       tail_check=None if obs.p99_source == "trace" else self.tail_check)
@@ -251,10 +252,10 @@ class ModelObserver:
         while len(self._jitter) > JITTER_CONFIGS:
             self._jitter.pop(next(iter(self._jitter)))
 
-    def _check_tail(self, now: float, live: Settings, max_batch: int, fit, jitter: Jitter | None) -> None:
-        """Untraced, check the model's tail against the server's: over the summaries' last minute (the same gates
-        as the tail ratio's, `_calibrate_tail`: the live configuration that long past its change and the model's
-        warm-up, at least MIN_REQUESTS_FOR_TAIL requests), the summary's p99 over the counters' mean, against the
+    def _check_tail(self, now: float, quiet: tuple[float, Observation], live: Settings, max_batch: int, fit,
+                    jitter: Jitter | None) -> None:
+        """Untraced, check the model's tail against the server's: over the summaries' last minute (`quiet`:
+        `_quiet_minute`'s, as the tail ratio's), the summary's p99 over the counters' mean, against the
         simulation's p99 over its mean for the same minute's loads (`_window_prediction` of the minute's tick
         rates). Their quotient, within TAIL_CHECK_BOUNDS, is what the simulation misses in the tail alone; the
         planner multiplies each window's mean ratio by it (`policy.window_check`), which makes the untraced check
@@ -270,21 +271,17 @@ class ModelObserver:
         Example: summary p99 30 ms over a minute whose mean was 12 ms (2.5); the simulation's p99 22 ms over its
         mean 11 ms (2.0) for the same loads: 1.25. With a later window's mean ratio 1.04 the planner records
         1.04 x 1.25 = 1.3 for it, where the mean alone gave 1.04."""
-        c = self._latest
-        if c is None or c.p99_us is None or now - self._tail_check_at < TAIL_CHECK_EVERY_S \
-                or now - self.changed_at < SUMMARY_MAX_AGE_S + self.settle_s or self._minute_may_hold_warm_up(now):
-            return
-        minute = self.counters.observe(now, SUMMARY_MAX_AGE_S, live.instance_count)
-        if not minute.valid or minute.request_ms_mean <= 0 or minute.completion_rps * minute.span_s < MIN_REQUESTS_FOR_TAIL:
+        if now - self._tail_check_at < TAIL_CHECK_EVERY_S:
             return
         self._tail_check_at = now
+        summary_p99_ms, minute = quiet
         tick_s = self.forecast.tick_s if self.forecast is not None else 1.0
         parts = [(rate, share) for rate, share in rate_components([r for t, r in self._tick_rates if t > minute.since],
                                                                    tick_s) if share >= 0.005]
         p99, mean = self._window_prediction(minute, live, max_batch, fit, jitter, parts or [(minute.arrival_rps, 1.0)])
         if p99 is None or mean is None or p99 <= 0 or mean <= 0 or not math.isfinite(p99):
             return
-        reading = (c.p99_us / 1000.0 / minute.request_ms_mean) / (p99 / mean)
+        reading = (summary_p99_ms / minute.request_ms_mean) / (p99 / mean)
         reading = min(max(reading, TAIL_CHECK_BOUNDS[0]), TAIL_CHECK_BOUNDS[1])
         self.tail_check = reading if self.tail_check is None else 0.8 * self.tail_check + 0.2 * reading
 
@@ -429,22 +426,31 @@ class ModelObserver:
             return True
         return last_executions > 0 and executions < WARMUP_EXECUTIONS
 
-    def _calibrate_tail(self, now: float, live: Settings) -> None:
-        """Learn p99 / mean latency from a minute without changes, when the server's summary covers it.
+    def _quiet_minute(self, now: float, live: Settings) -> tuple[float, Observation] | None:
+        """(the server's summary p99 in ms, the counters over the same last minute) where that minute can be read
+        as the live configuration's, else None.
 
         Triton's summaries span about the last minute, so they are only trusted once the config has
-        been stable that long, and the model past its warm-up that long (`_minute_may_hold_warm_up`).
-        Example: summary p99 46 ms over a minute whose mean was 25 ms -> 1.84.
-        """
+        been stable that long, the model past its warm-up that long (`_minute_may_hold_warm_up`), and the minute
+        held at least MIN_REQUESTS_FOR_TAIL completed requests."""
         c = self._latest
         if c is None or c.p99_us is None or now - self.changed_at < SUMMARY_MAX_AGE_S + self.settle_s:
-            return
+            return None
         if self._minute_may_hold_warm_up(now):
-            return
+            return None
         minute = self.counters.observe(now, SUMMARY_MAX_AGE_S, live.instance_count)
         if not minute.valid or minute.request_ms_mean <= 0 or minute.completion_rps * minute.span_s < MIN_REQUESTS_FOR_TAIL:
+            return None
+        return c.p99_us / 1000.0, minute
+
+    def _calibrate_tail(self, quiet: tuple[float, Observation] | None) -> None:
+        """Learn p99 / mean latency from a quiet minute (`_quiet_minute`), when there is one this tick.
+        Example: summary p99 46 ms over a minute whose mean was 25 ms -> 1.84.
+        """
+        if quiet is None:
             return
-        ratio = min(max(c.p99_us / 1000.0 / minute.request_ms_mean, TAIL_RATIO_BOUNDS[0]), TAIL_RATIO_BOUNDS[1])
+        summary_p99_ms, minute = quiet
+        ratio = min(max(summary_p99_ms / minute.request_ms_mean, TAIL_RATIO_BOUNDS[0]), TAIL_RATIO_BOUNDS[1])
         self.tail_ratio = ratio if not self.tail_ratio_measured else 0.8 * self.tail_ratio + 0.2 * ratio
         self.tail_ratio_measured = True
 
