@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .planner import Forecast, PlanInputs, implicit_step, mixture_p99, rate_components, simulate_quantised
-from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter
+from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter, summary_quantiles
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import (TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceSummary, TraceWindow,
                      choose_sampling, needs_change, trace_release_unsafe)
@@ -109,6 +109,7 @@ class ModelObserver:
         self._implicit_at = -math.inf                                 # when the last step was taken
         self.tail_check: float | None = None     # untraced: the summaries' tail over the model's (`_check_tail`)
         self._tail_check_at = -math.inf
+        self._summary_jitter_at = -math.inf      # untraced: when the compute summary was last read (`_summary_jitter`)
         self._tick_rates: deque[tuple[float, float]] = deque()        # (time, arrival rate) per tick, the last minute
 
     # -- feeding -------------------------------------------------------------------------------
@@ -205,6 +206,8 @@ class ModelObserver:
             self.items_per_request = obs.items_per_request
         if obs.valid:
             self._add_jitter(now, live, obs.since + obs.span_s, ends[1])
+            if quiet is not None and obs.p99_source != "trace":
+                self._summary_jitter(now, quiet, live)
             fit = self.service.fit(live)
             jitter = self.jitter(live)
             parts = self._window_parts(obs) if fit is not None else []   # once a tick, for both uses
@@ -244,13 +247,52 @@ class ModelObserver:
         traced = self.traces.summary(end, end - since, since=since)
         value = execution_jitter(traced.compute_scv, traced.compute_quantiles, traced.compute_count,
                                  batch_deltas(read[3], last[3]))
-        if value is None:
-            return
+        if value is not None:
+            self._keep_jitter(live, value)
+
+    def _keep_jitter(self, live: Settings, value: Jitter) -> None:
         kept = self._jitter.pop(live, None) or deque(maxlen=JITTER_KEPT)
         kept.append(value)
         self._jitter[live] = kept                     # re-inserted: the most recently seen last
         while len(self._jitter) > JITTER_CONFIGS:
             self._jitter.pop(next(iter(self._jitter)))
+
+    def _summary_jitter(self, now: float, quiet: tuple[float, Observation], live: Settings) -> None:
+        """Untraced, estimate the live configuration's execution jitter from Triton's compute summary over a quiet
+        minute (`_quiet_minute`'s) and keep it as a traced estimate is kept (`_add_jitter`), at most one every
+        TAIL_CHECK_EVERY_S: the summary's quantiles of the compute (infer) time charged to each request
+        (`nv_inference_compute_infer_summary_us`), over the counters' mean of the same time for the minute
+        (`service.summary_quantiles`), against the statistics' executions per batch size over it
+        (`execution_jitter`, which takes out the part of the spread that the sizes' mix explains).
+
+        Why: untraced, the simulation drew every execution at its size's mean, so its p99 for a model whose
+        executions vary (a CPU model under contention) was short whatever the load: resnet_tiny untraced (r92)
+        predicted 12.4 ms where the clients measured 18.1, and the tail check (`_check_tail`) could only scale
+        every prediction by one figure read at one load, where the jitter's share of a p99 falls as the queue's
+        grows. The summary gives the shape where traces are not read; the tail check then measures what is left.
+        Nothing is read where the statistics break within the minute or count no execution in it (an ensemble)."""
+        c = self._latest
+        if now - self._summary_jitter_at < TAIL_CHECK_EVERY_S or c is None or not c.compute_quantiles_us:
+            return
+        self._summary_jitter_at = now
+        _, minute = quiet
+        end = minute.since + minute.span_s
+        first, last = self._executed_at(minute.since), self._executed_at(end)
+        at_start = next((s.counters for s in self.counters.samples if abs(s.t - minute.since) <= 1e-6), None)
+        at_end = next((s.counters for s in self.counters.samples if abs(s.t - end) <= 1e-6), None)
+        if first is None or last is None or first[0] != last[0] or last[1] <= first[1] or at_start is None \
+                or at_end is None or None in (at_start.compute_infer_us, at_end.compute_infer_us, at_start.success,
+                                              at_end.success):
+            return
+        requests = at_end.success - at_start.success
+        if requests <= 0:
+            return
+        shape = summary_quantiles(c.compute_quantiles_us, (at_end.compute_infer_us - at_start.compute_infer_us) / requests)
+        if shape is None:
+            return
+        value = execution_jitter(shape[0], shape[1], int(requests), batch_deltas(first[3], last[3]), source="summary")
+        if value is not None:
+            self._keep_jitter(live, value)
 
     def _check_tail(self, now: float, quiet: tuple[float, Observation], live: Settings, max_batch: int, fit,
                     jitter: Jitter | None) -> None:

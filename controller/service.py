@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -229,13 +229,15 @@ class Jitter:
 
     scv: float
     quantiles: tuple[float, ...] = ()
+    # what it was measured from: "trace" (traced requests' compute times) or "summary" (Triton's compute summary)
+    source: str = field(default="trace", compare=False)
 
     def at(self, q: float) -> float:
         """J's q-quantile (1.0 when taken as exact). Example: quantiles with 0.99 -> 3.9: at(0.99) = 3.9."""
         return float(np.interp(q, COMPUTE_PROBS, self.quantiles)) if self.quantiles else 1.0
 
     def summary(self) -> dict[str, Any]:
-        return {"scv": round(self.scv, 3), "p99_x": round(self.at(0.99), 2)}
+        return {"scv": round(self.scv, 3), "p99_x": round(self.at(0.99), 2), "from": self.source}
 
 
 def quantile_mean(quantiles: Sequence[float]) -> float:
@@ -245,8 +247,46 @@ def quantile_mean(quantiles: Sequence[float]) -> float:
     return sum((p1 - p0) * (a + b) / 2 for p0, p1, a, b in zip(COMPUTE_PROBS, COMPUTE_PROBS[1:], quantiles, quantiles[1:]))
 
 
+def summary_quantiles(points: Sequence[tuple[float, float]], mean: float) -> tuple[float, tuple[float, ...]] | None:
+    """(scv, quantiles at COMPUTE_PROBS over the mean) of the compute times whose quantiles Triton's summary gives
+    (`points`: (quantile, value), e.g. at 0.5, 0.9, 0.95, 0.99, 0.999) and whose mean the counters give (`mean`,
+    the same unit): what `execution_jitter` reads from traced times, where nothing is traced.
+
+    The summary names no quantile under its lowest (0.5), so the quantile function is taken as a straight line
+    from q0 at p = 0 to the lowest point, q0 chosen so that the whole function's mean is the counters' (clipped to
+    0 .. the lowest point's value); straight lines between the summary's points; its highest point's value above
+    it (the tail cut there, as `execution_jitter` cuts traced times where two no longer reach). The scv is that
+    function's: what the lower half's line misses is small beside the tail's share. None without a point at or
+    under 0.5 and one at or over 0.99, or a mean that is not positive.
+    Example: mean 10 ms, 0.5 -> 9, 0.9 -> 13, 0.95 -> 15, 0.99 -> 20, 0.999 -> 30 ms: over the mean 0.9, 1.3, 1.5,
+    2.0, 3.0; on COMPUTE_PROBS' grid the upper half (0.5 .. 1) holds 0.61 of the mean, so the line runs from
+    q0 = 0.68 at p = 0 to 0.9 at 0.5 (0.5 x (0.68 + 0.9) / 2 = 0.39): p99 2.0, scv 0.09.
+    """
+    if not mean > 0 or not math.isfinite(mean):
+        return None
+    known = sorted((p, v / mean) for p, v in points if 0.0 < p < 1.0 and math.isfinite(v) and v >= 0)
+    if not known or known[0][0] > 0.5 or known[-1][0] < 0.99:
+        return None
+    probs = [p for p, _ in known]
+    values = list(np.maximum.accumulate([v for _, v in known]))      # a quantile function never falls
+    low_p, low_v = probs[0], values[0]
+
+    def grid(q0: float) -> list[float]:
+        return [q0 + (low_v - q0) * p / low_p if p < low_p else float(np.interp(p, probs, values)) for p in COMPUTE_PROBS]
+
+    base, slope = quantile_mean(grid(0.0)), quantile_mean(grid(1.0)) - quantile_mean(grid(0.0))
+    q0 = min(max((1.0 - base) / slope if slope > 0 else low_v, 0.0), low_v)
+    quantiles = grid(q0)
+    area = quantile_mean(quantiles)
+    if area <= 0:
+        return None
+    second = sum((p1 - p0) * (a * a + a * b + b * b) / 3
+                 for p0, p1, a, b in zip(COMPUTE_PROBS, COMPUTE_PROBS[1:], quantiles, quantiles[1:]))
+    return max(0.0, second / area ** 2 - 1.0), tuple(q / area for q in quantiles)
+
+
 def execution_jitter(compute_scv: float | None, compute_quantiles: Sequence[float], samples: int,
-                     deltas: Mapping[int, tuple[int, int]]) -> Jitter | None:
+                     deltas: Mapping[int, tuple[int, int]], source: str = "trace") -> Jitter | None:
     """How much one execution's time varies around its batch size's mean, from the traced requests and the
     batch statistics of one span (`traces.TraceSummary`'s compute fields; `batch_deltas`).
 
@@ -287,7 +327,7 @@ def execution_jitter(compute_scv: float | None, compute_quantiles: Sequence[floa
     second = sum(w * (deltas[b][1] / deltas[b][0]) ** 2 for b, w in weights.items()) / total
     scv = max(0.0, (1.0 + compute_scv) / (second / mean ** 2) - 1.0)
     if scv < JITTER_FLOOR:
-        return Jitter(scv)
+        return Jitter(scv, source=source)
     pull = math.sqrt(min(1.0, scv / compute_scv))
     supported = [q for p, q in zip(COMPUTE_PROBS, compute_quantiles) if samples * (1.0 - p) >= JITTER_TAIL_SUPPORT]
     top = supported[-1] if supported else compute_quantiles[0]
@@ -295,8 +335,8 @@ def execution_jitter(compute_scv: float | None, compute_quantiles: Sequence[floa
     shaped = [max(0.0, 1.0 + (q - 1.0) * pull) for q in tail]
     area = quantile_mean(shaped)
     if area <= 0:
-        return Jitter(scv)
-    return Jitter(scv, tuple(q / area for q in shaped))
+        return Jitter(scv, source=source)
+    return Jitter(scv, tuple(q / area for q in shaped), source=source)
 
 
 class ServiceTimes:

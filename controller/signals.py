@@ -75,6 +75,9 @@ class ModelCounters:
     pending: float | None = None
     p99_us: float | None = None
     custom: dict[str, float] = field(default_factory=dict)
+    # the server's quantiles of the compute (infer) time charged to each request over about the last minute,
+    # ((quantile, us), ...) by quantile: `nv_inference_compute_infer_summary_us` (summary_latencies=true)
+    compute_quantiles_us: tuple[tuple[float, float], ...] = ()
 
 
 # Triton sample name -> ModelCounters field (summed over every label but `model`).
@@ -95,6 +98,7 @@ _NV_SUMMED_FIELDS: dict[str, str] = {
 SHED_REASONS = frozenset({"REJECTED", "CANCELED"})
 _P99_SAMPLE = "nv_inference_request_summary_us"
 _P99_QUANTILE = 0.99
+_COMPUTE_SUMMARY = "nv_inference_compute_infer_summary_us"
 
 # Fields that must all be known for a sample to enter window arithmetic.
 REQUIRED_FIELDS: tuple[str, ...] = tuple(_NV_SUMMED_FIELDS.values())
@@ -149,14 +153,33 @@ def parse_metrics(text: str) -> dict[str, ModelCounters]:
     nv = _Accumulator()
     custom = _Accumulator()
     p99: dict[str, float | None] = {}
+    compute: dict[str, dict[float, float]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                _route_sample(sample.name, sample.labels, sample.value, nv, custom, p99)
+                if sample.name == _COMPUTE_SUMMARY:
+                    _add_compute_quantile(sample.labels, sample.value, compute)
+                else:
+                    _route_sample(sample.name, sample.labels, sample.value, nv, custom, p99)
     except Exception:  # noqa: BLE001  why: the parser raises assorted errors on garbage
         return {}
     models = set(nv.sums) | set(custom.sums) | set(p99)
-    return {m: _build_counters(nv.sums.get(m, {}), custom.sums.get(m, {}), p99.get(m)) for m in models}
+    return {m: _build_counters(nv.sums.get(m, {}), custom.sums.get(m, {}), p99.get(m),
+                               tuple(sorted(compute.get(m, {}).items()))) for m in models}
+
+
+def _add_compute_quantile(labels: Mapping[str, str], value: float, compute: dict[str, dict[float, float]]) -> None:
+    """One quantile of a model's compute summary (`Nan` before any request: left out); with several versions the
+    largest value per quantile, as for the p99."""
+    model, number = labels.get("model"), _finite(value)
+    try:
+        q = float(labels.get("quantile", ""))
+    except ValueError:
+        return
+    if not model or number is None or not 0.0 < q < 1.0:
+        return
+    per_model = compute.setdefault(model, {})
+    per_model[q] = max(number, per_model.get(q, number))
 
 
 def _route_sample(
@@ -182,10 +205,12 @@ def _route_sample(
         custom.add(model, name, value)
 
 
-def _build_counters(nv: dict[str, float | None], custom: dict[str, float | None], p99: float | None) -> ModelCounters:
+def _build_counters(nv: dict[str, float | None], custom: dict[str, float | None], p99: float | None,
+                    compute: tuple[tuple[float, float], ...] = ()) -> ModelCounters:
     known_custom = {k: v for k, v in custom.items() if v is not None}
     shed = nv.get("failure_shed", 0.0 if nv.get("failure") is not None else None)
-    return ModelCounters(**{f: nv.get(f) for f in REQUIRED_FIELDS}, failure_shed=shed, p99_us=p99, custom=known_custom)
+    return ModelCounters(**{f: nv.get(f) for f in REQUIRED_FIELDS}, failure_shed=shed, p99_us=p99, custom=known_custom,
+                         compute_quantiles_us=compute)
 
 
 # ---------------------------------------------------------------------------------

@@ -502,6 +502,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                 rows.append(("service", f"{svc['alpha_ms']} + {svc['beta_ms']} x batch ms per execution "
                              f"(r2 {svc.get('r2')}, {svc.get('executions')} executions)"
                              + (f"; executions of one size vary: p99 {jitter['p99_x']}x their mean"
+                                + (" (from Triton's compute summary)" if jitter.get("from") == "summary" else "")
                                 if isinstance(jitter, dict) and (jitter.get("scv") or 0) >= JITTER_FLOOR
                                 and jitter.get("p99_x") else "")))
             cold = o.get("cold_start")

@@ -10,7 +10,7 @@ import pytest
 from conftest import load_script
 from controller.observer import ModelObserver
 from controller.planner import ServiceModel, jitter_factors, predict, simulate, simulate_quantised
-from controller.service import JITTER_FLOOR, Jitter, ServiceFit, execution_jitter, quantile_mean
+from controller.service import JITTER_FLOOR, Jitter, ServiceFit, execution_jitter, quantile_mean, summary_quantiles
 from controller.signals import BatchStat, ModelCounters, StatsCounters
 from controller.traces import COMPUTE_PROBS, TraceSample, TraceWindow
 from controller.types import Settings
@@ -249,6 +249,88 @@ def test_one_windows_stall_does_not_decide_alone():
     from collections import deque
     o._jitter[LIVE] = deque([Jitter(0.2), Jitter(0.25), Jitter(3.5), Jitter(0.22), Jitter(0.3)])
     assert o.jitter(LIVE).scv == 0.25                    # the median of the last five, not the stall's 3.5
+
+
+# ---- untraced: from Triton's compute summary (service.summary_quantiles, observer._summary_jitter) -----------
+
+DOC_POINTS = ((0.5, 9.0), (0.9, 13.0), (0.95, 15.0), (0.99, 20.0), (0.999, 30.0))
+
+
+def test_the_summarys_quantiles_make_a_quantile_function_of_mean_one():
+    scv, q = summary_quantiles(DOC_POINTS, 10.0)             # the docstring's example
+    assert q[0] == pytest.approx(0.678, abs=0.002) and quantile_mean(q) == pytest.approx(1.0)
+    assert float(np.interp(0.99, COMPUTE_PROBS, q)) == pytest.approx(2.0) and scv == pytest.approx(0.09, abs=0.005)
+    assert q[-1] == q[-2] == pytest.approx(3.0)              # nothing above the summary's 0.999: cut there
+    # the summary's upper half alone holds more than the mean (the counters' and the summary's minutes differ):
+    # the line starts at 0, the function is scaled to mean 1
+    scv, q = summary_quantiles(DOC_POINTS, 6.0)
+    assert q[0] == 0.0 and quantile_mean(q) == pytest.approx(1.0)
+    # a quantile that falls (the summary's estimates are approximate) is held at the one below it
+    falling = summary_quantiles(((0.5, 9.0), (0.9, 8.0), (0.99, 20.0)), 10.0)[1]
+    assert falling[9] == falling[5] and list(falling) == sorted(falling)       # p 0.9 held at p 0.5's
+    # nothing to build on: no point at or under the median, none at or over 0.99, no mean
+    assert summary_quantiles(((0.9, 13.0), (0.99, 20.0)), 10.0) is None
+    assert summary_quantiles(((0.5, 9.0), (0.95, 15.0)), 10.0) is None
+    assert summary_quantiles(DOC_POINTS, 0.0) is None and summary_quantiles((), 10.0) is None
+
+
+def test_a_heavy_tail_read_from_five_quantiles_is_close_to_the_traced_one():
+    rng = np.random.default_rng(3)
+    x = 8.0 * rng.lognormal(-0.3, math.sqrt(0.6), 200_000)
+    traced = execution_jitter(float(x.var() / x.mean() ** 2), quantiles_of(x), len(x), {1: (len(x), int(1e6 * x.sum()))})
+    points = tuple((p, float(np.quantile(x, p))) for p in (0.5, 0.9, 0.95, 0.99, 0.999))
+    scv, q = summary_quantiles(points, float(x.mean()))
+    summary = execution_jitter(scv, q, len(x), {1: (len(x), int(1e6 * x.sum()))}, source="summary")
+    assert summary.source == "summary" and summary.summary()["from"] == "summary"
+    assert summary.at(0.99) == pytest.approx(traced.at(0.99), rel=0.05)      # the p99 is the summary's own point
+    assert summary.at(0.9) == pytest.approx(traced.at(0.9), rel=0.05)
+    assert summary.scv == pytest.approx(traced.scv, rel=0.35)   # the lower half's line and the cut tail: roughly
+
+
+def _untraced(o: ModelObserver, seconds, points_us, live: Settings = LIVE, before: int = 1000):
+    """`_feed`'s model untraced: 10 requests a second, 8 ms each on average, the compute summary's quantiles as
+    given and a request summary's p99 (the quiet minute needs one); the last observation."""
+    import dataclasses
+    obs = None
+    for t in seconds:
+        c = dataclasses.replace(_counters(t), p99_us=20_000.0, compute_quantiles_us=points_us)
+        o.add_scrape(float(t), c, _stats(t, before), live)
+        obs = o.observe(float(t), live, max_batch_size=8)
+    return obs
+
+
+SUMMARY_US = tuple((p, 800.0 * v) for p, v in DOC_POINTS)      # the example's shape over an 8-ms mean
+
+
+def test_untraced_the_observer_reads_the_jitter_from_the_compute_summary_over_a_quiet_minute():
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    assert _untraced(o, range(0, 60), SUMMARY_US).jitter is None        # not yet a minute: the summary is not read
+    obs = _untraced(o, range(60, 63), SUMMARY_US)
+    assert obs.p99_source == "mean_x_tail_ratio" and obs.jitter.source == "summary"
+    assert obs.jitter.scv == pytest.approx(0.09, abs=0.005)             # one size: all of it is jitter
+    assert obs.jitter.at(0.99) == pytest.approx(2.0, rel=0.01)
+    assert dict(o.plan_inputs(8, 2.0).jitters)[LIVE] is obs.jitter
+    # the live configuration's prediction carries it: above the same observer's without a summary
+    bare = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    plain = _untraced(bare, range(0, 63), ())
+    assert plain.jitter is None and obs.predicted_p99_ms > plain.predicted_p99_ms
+    # a change: nothing for the new configuration until it has held a minute
+    other = Settings(2, 0)
+    o.mark_change(62.0)
+    assert _untraced(o, range(63, 122), SUMMARY_US, live=other).jitter is None
+    assert _untraced(o, range(122, 124), SUMMARY_US, live=other).jitter.source == "summary"
+
+
+def test_traced_the_summary_is_not_read():
+    o = ModelObserver("m", window_s=10.0, settle_s=0.0)
+    obs = None
+    for t in range(0, 70):                                 # traced requests, and a summary beside them
+        import dataclasses
+        o.add_scrape(float(t), dataclasses.replace(_counters(t), p99_us=20_000.0, compute_quantiles_us=SUMMARY_US),
+                     _stats(t, 1000), LIVE)
+        o.add_traces([TraceSample("m", t - 1 + k / 10, 9.0, 9.0, 0.5, 8.0) for k in range(10)], read_at=float(t))
+        obs = o.observe(float(t), LIVE, max_batch_size=8)
+    assert obs.p99_source == "trace" and obs.jitter.source == "trace" and obs.jitter.scv == pytest.approx(0.0, abs=1e-9)
 
 
 # ---- scripts/jitter_check.py ------------------------------------------------------------------------------

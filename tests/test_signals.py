@@ -56,6 +56,18 @@ def test_parse_real_triton_metrics_sample():
     }
 
 
+def test_the_compute_summarys_quantiles_are_read_per_model():
+    # the real capture: 5 requests, the compute (infer) summary's quantiles in us
+    c = parse_metrics(METRICS_SAMPLE)["resnet_tiny"]
+    assert c.compute_quantiles_us == ((0.5, 10059.0), (0.9, 14071.0), (0.95, 14071.0), (0.99, 14071.0), (0.999, 14071.0))
+    # Nan before any request: that quantile left out; several versions: the larger per quantile; none: ()
+    text = METRICS_SAMPLE.replace('quantile="0.9"} 14071', 'quantile="0.9"} Nan') + \
+        'nv_inference_compute_infer_summary_us{model="resnet_tiny",version="2",quantile="0.5"} 12000\n'
+    assert parse_metrics(text)["resnet_tiny"].compute_quantiles_us[:2] == ((0.5, 12000.0), (0.95, 14071.0))
+    plain = "\n".join(ln for ln in METRICS_SAMPLE.splitlines() if "summary" not in ln) + "\n"
+    assert parse_metrics(plain)["resnet_tiny"].compute_quantiles_us == ()
+
+
 def test_summary_nan_before_first_request_is_none():
     text = METRICS_SAMPLE.replace('quantile="0.99"} 14484', 'quantile="0.99"} Nan')
     assert 'quantile="0.99"} Nan' in text
@@ -149,15 +161,17 @@ def test_garbage_metrics_text_is_no_data(text):
 
 
 def _all_fields_finite_or_none(counters: ModelCounters) -> bool:
-    numbers = [getattr(counters, f.name) for f in fields(counters) if f.name != "custom"]
+    numbers = [getattr(counters, f.name) for f in fields(counters) if f.name not in ("custom", "compute_quantiles_us")]
     numbers += list(counters.custom.values())
+    numbers += [n for pair in counters.compute_quantiles_us for n in pair]
     return all(n is None or (isinstance(n, float) and math.isfinite(n)) for n in numbers)
 
 
 _metric_line = st.builds(
     lambda name, model, extra, value: f'{name}{{model="{model}"{extra}}} {value}',
     st.sampled_from(["nv_inference_request_success", "nv_inference_count", "nv_inference_request_summary_us",
-                     "nv_inference_pending_request_count", "model_executions_total", "x", "nv_"]),
+                     "nv_inference_compute_infer_summary_us", "nv_inference_pending_request_count",
+                     "model_executions_total", "x", "nv_"]),
     st.text(min_size=0, max_size=5),
     st.sampled_from(["", ',version="1"', ',quantile="0.99"', ',le="1"', ",", ',model="z"']),
     st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(str), st.sampled_from(["Nan", "+Inf", "x", ""])),
