@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from controller.planner import simulate
     from controller.server import ServerOptions, TritonServer, free_port
     from controller.observer import JITTER_SPAN_S
-    from controller.service import batch_deltas, execution_jitter, fit_service
+    from controller.service import batch_deltas, execution_jitter, fit_service, summary_quantiles
     from controller.signals import Scraper
     from controller.traces import TraceApi, TraceFiles, TraceWindow
     from controller.types import Settings
@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.5)
         files.poll()
         for i, rate in enumerate(args.rate_list):
-            before = scraper.stats(model)
+            before, counted = scraper.stats(model), (scraper.metrics() or {}).get(model)
             offer(rate, args.seconds, 7 + i)
             time.sleep(0.5)
-            after = scraper.stats(model)
+            after, now_counted = scraper.stats(model), (scraper.metrics() or {}).get(model)
             api.set_model(model, level="TIMESTAMPS", rate=1, log_frequency=50)
             time.sleep(1.5)
             samples = files.poll()
@@ -125,6 +125,17 @@ def main(argv: list[str] | None = None) -> int:
                                       pooled_summary.compute_count, pooled_deltas)
             fit = fit_service({b: (n, ns / n / 1e6) for b, (n, ns) in deltas.items() if n > 0})
             jitter = execution_jitter(summary.compute_scv, summary.compute_quantiles, summary.compute_count, deltas)
+            # untraced, the controller reads the jitter from Triton's compute summary (about its last minute) over
+            # the counters' mean (observer._summary_jitter): the same here, over this window's counters
+            from_summary = None
+            if counted is not None and now_counted is not None and None not in (
+                    counted.success, now_counted.success, counted.compute_infer_us, now_counted.compute_infer_us) \
+                    and now_counted.success > counted.success:
+                shape = summary_quantiles(now_counted.compute_quantiles_us, (now_counted.compute_infer_us -
+                                          counted.compute_infer_us) / (now_counted.success - counted.success))
+                if shape is not None:
+                    from_summary = execution_jitter(shape[0], shape[1], int(now_counted.success - counted.success),
+                                                    deltas, source="summary")
             if fit is None or summary.p99_ms is None or summary.count < 50 or jitter is None or pooled is None:
                 print(f"{rate:g} req/s: too little to compare ({summary.count} traced)", file=sys.stderr)
                 ok = False
@@ -132,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             exact = simulate(rate, args.instances, 0, max_batch, fit.predict_ms, requests=4000)
             with_j = simulate(rate, args.instances, 0, max_batch, fit.predict_ms, requests=4000, jitter=jitter.quantiles)
             with_p = simulate(rate, args.instances, 0, max_batch, fit.predict_ms, requests=4000, jitter=pooled.quantiles)
+            with_s = None if from_summary is None else \
+                simulate(rate, args.instances, 0, max_batch, fit.predict_ms, requests=4000, jitter=from_summary.quantiles)
             rows.append({"rate_rps": rate, "traced": summary.count, "traced_p99_ms": round(summary.p99_ms, 1),
                          "exact_p99_ms": round(exact.p99_ms, 1), "jitter_p99_ms": round(with_j.p99_ms, 1),
                          "exact_ratio": round(summary.p99_ms / exact.p99_ms, 2),
@@ -141,24 +154,36 @@ def main(argv: list[str] | None = None) -> int:
                          "span_traced_p99_ms": round(pooled_summary.p99_ms, 1),
                          "span_ratio": round(summary.p99_ms / with_p.p99_ms, 2),
                          "span_execution_p99_over_mean": round(pooled.at(0.99), 2),
-                         "mean_batch": round(exact.mean_batch, 2)})
+                         "mean_batch": round(exact.mean_batch, 2),
+                         "summary_p99_ms": None if with_s is None else round(with_s.p99_ms, 1),
+                         "summary_ratio": None if with_s is None else round(summary.p99_ms / with_s.p99_ms, 2),
+                         "summary_scv": None if from_summary is None else round(from_summary.scv, 3),
+                         "summary_execution_p99_over_mean": None if from_summary is None else round(from_summary.at(0.99), 2)})
     finally:
         server.stop()
     print(f"{model}, {args.instances} instance(s) x 0 us, {args.seconds:g}-s windows; ratio = traced / predicted")
     print("jitter from the window alone, and from the controller's span (the window and those before it, up to "
           f"{JITTER_SPAN_S:g} s)")
+    print("and from Triton's compute summary (its last minute: alike with --seconds 60), as the controller reads it "
+          "untraced")
     print("| req/s | traced | traced p99 ms | exact p99 ms | ratio | with the window's jitter ms | ratio | jitter scv | "
-          "exec p99/mean | span's traced | with the span's jitter ms | ratio | exec p99/mean | span's traced p99 ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "exec p99/mean | span's traced | with the span's jitter ms | ratio | exec p99/mean | span's traced p99 ms | "
+          "with the summary's jitter ms | ratio | jitter scv | exec p99/mean |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['rate_rps']:g} | {r['traced']} | {r['traced_p99_ms']} | {r['exact_p99_ms']} | {r['exact_ratio']} | "
               f"{r['jitter_p99_ms']} | {r['jitter_ratio']} | {r['jitter_scv']} | {r['execution_p99_over_mean']} | "
               f"{r['span_traced']} | {r['span_p99_ms']} | {r['span_ratio']} | {r['span_execution_p99_over_mean']} | "
-              f"{r['span_traced_p99_ms']} |")
+              f"{r['span_traced_p99_ms']} | {_cell(r['summary_p99_ms'])} | {_cell(r['summary_ratio'])} | "
+              f"{_cell(r['summary_scv'])} | {_cell(r['summary_execution_p99_over_mean'])} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if ok and rows else 1
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)
 
 
 if __name__ == "__main__":

@@ -357,3 +357,6 @@ def test_jitter_check_compares_a_window(tmp_path):
     assert r["exact_p99_ms"] > 0 and r["jitter_p99_ms"] > 0 and r["jitter_scv"] >= 0
     # sim_accel's executions are sleeps: under the floor the two predictions are one simulation
     assert r["jitter_scv"] >= JITTER_FLOOR or r["jitter_p99_ms"] == r["exact_p99_ms"]
+    # and from the compute summary, as the controller reads it untraced (the same server's, the same window's counters)
+    assert r["summary_scv"] is not None and r["summary_scv"] >= 0 and r["summary_p99_ms"] > 0
+    assert r["summary_scv"] >= JITTER_FLOOR or r["summary_p99_ms"] == r["exact_p99_ms"]

@@ -203,6 +203,18 @@ SEEN = {
 }
 
 
+def test_the_service_row_says_how_much_executions_vary_and_from_what():
+    def service(jitter):
+        o = dict(SEEN["obs"], jitter=jitter) if jitter is not None else SEEN["obs"]
+        return dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", dict(SEEN, obs=o))[1:])["service"]
+    plain = "6.2 + 1.6 x batch ms per execution (r2 0.97, 60 executions)"
+    assert service(None) == plain
+    assert service({"scv": 0.01, "p99_x": 1.1, "from": "trace"}) == plain          # under the floor: exact
+    assert service({"scv": 0.3, "p99_x": 2.4, "from": "trace"}) == plain + "; executions of one size vary: p99 2.4x their mean"
+    assert service({"scv": 0.09, "p99_x": 2.0, "from": "summary"}) == \
+        plain + "; executions of one size vary: p99 2.0x their mean (from Triton's compute summary)"
+
+
 def test_a_failing_metrics_scrape_says_where_to_look():
     """No observation because /metrics does not answer (a wrong metrics_url, or a server started with
     --allow-metrics=false): the load row names both, not only that the scrape failed."""
