@@ -6,7 +6,8 @@ A `ModelObserver` owns everything the controller knows about what one model did:
   (data from before `changed_at + settle_s` describes the old configuration and is not used);
 * its sampled request traces (`traces.TraceWindow`) and the latency figure with its source;
 * its service time per batch size, per live configuration (`service.ServiceTimes`), how much one
-  execution's time varies around it (`service.execution_jitter`, per configuration), and the p99 the
+  execution's time varies around it (`service.execution_jitter`, per configuration: from the traced requests,
+  or untraced from Triton's compute summary over a quiet minute, `_summary_jitter`), and the p99 the
   planner's model predicts from both for the live configuration at the measured arrival rate (logged
   beside the measured p99, so that prediction error is known before anything decides on it);
 * the device readings attached to its observations.

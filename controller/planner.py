@@ -36,8 +36,9 @@ cannot keep up even with full batches of 8 (8 / 18 ms = 444 req/s): `stable` is 
 Each call simulates `requests` arrivals (default 2,000, a few ms of CPU) with a fixed seed, so the
 same inputs give the same answer.
 
-`jitter` is the quantile function of J (`service.Jitter.quantiles`: measured from traced requests, the
-spread that batch sizes do not explain), empty for exact executions. A model timed by sleeps (sim_accel)
+`jitter` is the quantile function of J (`service.Jitter.quantiles`: measured from traced requests, or untraced
+from Triton's compute summary, the spread that batch sizes do not explain), empty for exact executions; with J
+the planner simulates 4,000 arrivals (SIM_REQUESTS_JITTERED), its p99 being noisier. A model timed by sleeps (sim_accel)
 measured a squared coefficient of variation of 0.001-0.025 here and is simulated as exact (under
 `service.JITTER_FLOOR`); the CPU torch model (resnet_tiny, one instance, 10-50 req/s) measured 0.53-0.79, its
 executions' p99 3.7-4.7x their mean: without J its p99 was predicted at 9.9-19.1 ms where 24.9-41.4 ms was
