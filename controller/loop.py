@@ -44,7 +44,7 @@ from .observer import ModelObserver, TraceFeed
 from .ownership import FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, TAKE_OVER, OwnerMark, OwnershipGuard, Verdict, identity, mark_of
 from . import ownership
 from .server import version_change
-from .signals import ModelCounters, Scraper, StatsCounters
+from .signals import SUMMARIES_OFF, ModelCounters, Scraper, StatsCounters
 from .sweep_schema import cells_of, load_sweep
 from .telemetry import ControllerMetrics
 from .traces import TraceApi
@@ -216,6 +216,7 @@ class Controller:
         self._stop = threading.Event()
         self._simulating = False
         self._gpu_failing = False
+        self.summaries: bool | None = None   # whether the server publishes latency summaries (None: not yet seen)
         self._workers: ThreadPoolExecutor | None = None
         self._actuators: dict[str, Actuator] = {}
         self._started = (time.time(), clock())
@@ -609,6 +610,7 @@ class Controller:
         self._pass_ensemble_targets(now)
         self.traces.start()
         scraped = self.scraper.metrics()
+        self._note_summaries(scraped)
         stats = self.scraper.all_stats() if scraped is not None else None
         devices = self._last_devices = self._devices(scraped)
         traffic = any(mm.last_obs is not None and mm.last_obs.valid and mm.last_obs.arrival_rps > 0
@@ -628,6 +630,26 @@ class Controller:
             obs = mm.last_obs
             self.traces.adapt(mm.name, obs.arrival_rps if obs is not None and obs.valid else None, now)
             self._log_observation(mm, now)
+
+    def _note_summaries(self, scraped: dict[str, ModelCounters] | None) -> None:
+        """Whether the server publishes Triton's latency summaries for the managed models (any of them: the server
+        has the flag or not); said once, with what it costs, when it does not.
+
+        Why: Triton publishes them only with `--metrics-config summary_latencies=true`, off by default, and the
+        controller reads from them, untraced (the default before Triton 2.57), the p99 / mean ratio of its p99
+        estimate (2.0 until measured), the tail check and the executions' spread: without them the p99 shown and
+        used is the mean x 2.0, a default, and the planner's tail goes unchecked. `serve` sets the flag; a server
+        started otherwise (`run`) may not."""
+        present = [scraped[m] for m in self.models if scraped and m in scraped]
+        if not present:
+            return
+        on = any(c.summaries for c in present)
+        if not on and self.summaries is not False:
+            log.warning("the server publishes no latency summaries (tritonserver's --metrics-config "
+                        "summary_latencies=true is not set): %s", SUMMARIES_OFF)
+        elif on and self.summaries is False:
+            log.info("the server now publishes latency summaries")
+        self.summaries = on
 
     def _devices(self, scraped: dict[str, ModelCounters] | None) -> tuple[GpuObservation, ...]:
         """NVML's devices; without NVML ("auto") or when asked, the SIMULATED device if a model reports one."""
@@ -1131,6 +1153,7 @@ class Controller:
             models[mm.name] = model_status(mm, self._seen.get(mm.name), self.traces.describe(mm.name),
                                            warm_up_on=self.config.loop.warm_up and not self.config.loop.dry_run)
             models[mm.name]["owner"] = owner_status(mm, self.me)
+            models[mm.name]["summaries"] = self.summaries     # the server's, for the p99 row's default factor
             # who calls whom (BLS), as the request traces showed it: {model: calls a request}, [callers]; an
             # ensemble's steps are shown as such (ensemble_steps)
             # "traced": False where the calls are only named in the caller's model.py (calls.py)
@@ -1145,7 +1168,7 @@ class Controller:
         loop, s = self.config.loop, self.config.server
         snap = {"interval_s": loop.interval_s, "window_s": loop.window_s, "dry_run": loop.dry_run,
                 "tracing": self.traces.state, "tracing_caution": self.traces.caution,
-                "decision_log": loop.decision_log, "ticks": self._ticks,
+                "summaries": self.summaries, "decision_log": loop.decision_log, "ticks": self._ticks,
                 "error": self._tick_error,
                 "server": {"http_url": s.http_url, "grpc_url": s.grpc_url, "metrics_url": s.metrics_url},
                 "owner": self.me.owner, "status_url": self.me.status_url, "models": models}

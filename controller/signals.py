@@ -78,6 +78,9 @@ class ModelCounters:
     # the server's quantiles of the compute (infer) time charged to each request over about the last minute,
     # ((quantile, us), ...) by quantile: `nv_inference_compute_infer_summary_us` (summary_latencies=true)
     compute_quantiles_us: tuple[tuple[float, float], ...] = ()
+    # whether the server publishes latency summaries for this model at all (`nv_inference_request_summary_us`, `Nan`
+    # included): False on a server started without `--metrics-config summary_latencies=true` (Triton's default)
+    summaries: bool = False
 
 
 # Triton sample name -> ModelCounters field (summed over every label but `model`).
@@ -99,6 +102,10 @@ SHED_REASONS = frozenset({"REJECTED", "CANCELED"})
 _P99_SAMPLE = "nv_inference_request_summary_us"
 _P99_QUANTILE = 0.99
 _COMPUTE_SUMMARY = "nv_inference_compute_infer_summary_us"
+# what a server without latency summaries costs (the controller's warning and `status`: loop._note_summaries)
+SUMMARIES_OFF = ("where requests are not traced the p99 is estimated as the mean latency x 2.0, a default, not a "
+                 "measurement, and the planner cannot check its tail or how much executions vary; add "
+                 "--metrics-config summary_latencies=true to tritonserver's command line")
 
 # Fields that must all be known for a sample to enter window arithmetic.
 REQUIRED_FIELDS: tuple[str, ...] = tuple(_NV_SUMMED_FIELDS.values())
@@ -154,9 +161,12 @@ def parse_metrics(text: str) -> dict[str, ModelCounters]:
     custom = _Accumulator()
     p99: dict[str, float | None] = {}
     compute: dict[str, dict[float, float]] = {}
+    summarised: set[str] = set()
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name.startswith(_P99_SAMPLE) and sample.labels.get("model"):
+                    summarised.add(sample.labels["model"])      # its quantiles, _count or _sum: published
                 if sample.name == _COMPUTE_SUMMARY:
                     _add_compute_quantile(sample.labels, sample.value, compute)
                 else:
@@ -165,7 +175,7 @@ def parse_metrics(text: str) -> dict[str, ModelCounters]:
         return {}
     models = set(nv.sums) | set(custom.sums) | set(p99)
     return {m: _build_counters(nv.sums.get(m, {}), custom.sums.get(m, {}), p99.get(m),
-                               tuple(sorted(compute.get(m, {}).items()))) for m in models}
+                               tuple(sorted(compute.get(m, {}).items())), m in summarised) for m in models}
 
 
 def _add_compute_quantile(labels: Mapping[str, str], value: float, compute: dict[str, dict[float, float]]) -> None:
@@ -206,11 +216,11 @@ def _route_sample(
 
 
 def _build_counters(nv: dict[str, float | None], custom: dict[str, float | None], p99: float | None,
-                    compute: tuple[tuple[float, float], ...] = ()) -> ModelCounters:
+                    compute: tuple[tuple[float, float], ...] = (), summaries: bool = False) -> ModelCounters:
     known_custom = {k: v for k, v in custom.items() if v is not None}
     shed = nv.get("failure_shed", 0.0 if nv.get("failure") is not None else None)
     return ModelCounters(**{f: nv.get(f) for f in REQUIRED_FIELDS}, failure_shed=shed, p99_us=p99, custom=known_custom,
-                         compute_quantiles_us=compute)
+                         compute_quantiles_us=compute, summaries=summaries)
 
 
 # ---------------------------------------------------------------------------------

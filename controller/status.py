@@ -28,6 +28,7 @@ from .actuation import TritonControl, explain_error, settings_of
 from .config import ControllerConfig, ServerConfig
 from .decision_log import by_model, read_records
 from .service import JITTER_FLOOR
+from .signals import SUMMARIES_OFF
 from .server import LIVE_STATES, ServerError, load_error_text
 
 CONTROLLER_TIMEOUT_S = 3.0
@@ -336,6 +337,8 @@ def format_header(doc: dict) -> list[str]:
                      f"{_g(ctl.get('window_s'))} s window, {mode}; tracing {tracing}")
         if ctl.get("tracing_caution"):
             lines.append(f"tracing: {ctl['tracing_caution']}")
+        if ctl.get("summaries") is False:
+            lines.append(f"latency summaries: none on this server; {SUMMARIES_OFF}")
         if ctl.get("error"):
             lines.append(f"controller error: {ctl['error']}")
         if (ctl.get("tick_age_s") or 0) > 3 * (ctl.get("interval_s") or 1) + 5:
@@ -481,7 +484,9 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                     source += f", {o['p99_samples']} samples"
                 if isinstance(o.get("tail_ratio"), (int, float)):    # the estimate's factor, and where it came from
                     source += f", mean x {o['tail_ratio']:.2f} " + (
-                        "(measured)" if o.get("tail_ratio_measured") else "(the default until a quiet minute is measured)")
+                        "(measured)" if o.get("tail_ratio_measured") else
+                        "(the default: the server publishes no latency summaries, see above)" if m.get("summaries") is False
+                        else "(the default until a quiet minute is measured)")
                 warm = "; warming up: the model's first executions since it loaded, not held against its model" \
                     if o.get("warming_up") else ""
                 rows.append(("p99", f"{_num(o['p99_ms'], 2)} ms  from {source}  (tracing {tracing}){warm}"))

@@ -327,6 +327,37 @@ def test_tracing_forced_on_a_triton_whose_tracing_can_crash_it_is_named_once_and
         assert not said and snap["tracing_caution"] is None
 
 
+def test_a_server_without_latency_summaries_is_said_once_and_in_status(caplog):
+    """Triton publishes its latency summaries only with --metrics-config summary_latencies=true (off by default):
+    untraced, the p99 shown is then mean x 2.0, a default. Said once, in status's header while it lasts; a server
+    that starts publishing them (restarted with the flag) clears it."""
+    import dataclasses
+    from controller.status import format_header
+    clock = Clock()
+    fake = FakeModel(50, 5, 4)
+    ctl, _, scraper = make(["m"], {"m": fake}, clock)
+    run_ticks(ctl, clock, 4)
+    said = [r.message for r in caplog.records if "publishes no latency summaries" in r.message]
+    assert len(said) == 1 and "summary_latencies=true" in said[0] and "mean latency x 2.0" in said[0]
+    snap = ctl.status_snapshot()
+    assert snap["summaries"] is False
+    header = [ln for ln in format_header({"controller": snap}) if ln.startswith("latency summaries:")]
+    assert header and "--metrics-config summary_latencies=true" in header[0], header
+    # the flag on (the FakeModel's counters with summaries published): nothing said, the header line gone
+    plain_at = fake.at
+    fake.at = lambda t: dataclasses.replace(plain_at(t), summaries=True)
+    run_ticks(ctl, clock, 2)
+    snap = ctl.status_snapshot()
+    assert snap["summaries"] is True
+    assert not [ln for ln in format_header({"controller": snap}) if ln.startswith("latency summaries:")]
+    # a scrape that failed says nothing either way
+    scraper.down = True
+    run_ticks(ctl, clock, 2)
+    assert ctl.summaries is True
+    ctl.close()
+    assert len([r for r in caplog.records if "publishes no latency summaries" in r.message]) == 1
+
+
 @pytest.mark.parametrize("version, traced", [("2.51.0", False), ("2.56.9", False), ("2.57.0", True), ("2.60.1", True),
                                              (None, True)])
 def test_tracing_auto_leaves_a_triton_whose_tracing_can_crash_it_untraced_and_says_so(caplog, version, traced):

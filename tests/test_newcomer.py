@@ -260,6 +260,11 @@ def test_the_text_is_one_aligned_block_per_model():
         rows_tail = dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", tail)[1:])
         factor = "1.84" if measured else "2.00"
         assert rows_tail["p99"] == f"12.34 ms  from mean_x_tail_ratio, mean x {factor} {said}  (tracing off, see above)"
+    # a server without latency summaries: the default is never measured, and the header says why
+    nosum = dict(off, summaries=False, obs=dict(off["obs"], tail_ratio=2.0, tail_ratio_measured=False))
+    assert dict((ln[:15].strip(), ln[15:]) for ln in format_model("sim_accel", nosum)[1:])["p99"] == \
+        "12.34 ms  from mean_x_tail_ratio, mean x 2.00 (the default: the server publishes no latency summaries, see " \
+        "above)  (tracing off, see above)"
     assert rows["last change"].endswith("(2m 10s ago) 1 -> 2 instances, delay 0 us: ScaleUpQueueGrowing (in place, 0.7 s)")
     # a model whose first executions after a change run slow (service.ServiceTimes.cold_start) is told what to do
     cold = dict(SEEN, obs=dict(SEEN["obs"], cold_start={"instances": 2, "delay_us": 0, "executions": 50, "ms": 24.0,

@@ -68,6 +68,19 @@ def test_the_compute_summarys_quantiles_are_read_per_model():
     assert parse_metrics(plain)["resnet_tiny"].compute_quantiles_us == ()
 
 
+def test_whether_the_server_publishes_summaries_at_all():
+    # the real capture (summary_latencies=true): published; Nan before a request still is; without the flag: not
+    assert parse_metrics(METRICS_SAMPLE)["resnet_tiny"].summaries
+    nan = "\n".join(ln.replace(ln.rsplit(" ", 1)[-1], "Nan") if ln.startswith("nv_inference_request_summary_us{") else ln
+                    for ln in METRICS_SAMPLE.splitlines()) + "\n"
+    assert parse_metrics(nan)["resnet_tiny"].p99_us is None and parse_metrics(nan)["resnet_tiny"].summaries
+    plain = "\n".join(ln for ln in METRICS_SAMPLE.splitlines() if "summary" not in ln) + "\n"
+    assert not parse_metrics(plain)["resnet_tiny"].summaries
+    # another model's summary says nothing of this one
+    other = plain + 'nv_inference_request_summary_us_count{model="b",version="1"} 3\n'
+    assert not parse_metrics(other)["resnet_tiny"].summaries
+
+
 def test_summary_nan_before_first_request_is_none():
     text = METRICS_SAMPLE.replace('quantile="0.99"} 14484', 'quantile="0.99"} Nan')
     assert 'quantile="0.99"} Nan' in text
