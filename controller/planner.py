@@ -46,10 +46,11 @@ traced, with J at 23.4-39.5 ms (`scripts/jitter_check.py`).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
@@ -98,42 +99,49 @@ def simulate(arrival_rps: float, instances: int, delay_us: int, max_batch: int,
     delay_s = max(0, int(delay_us)) / 1e6
     # why plain floats and each batch size's cost once: the loop below is pure Python, where numpy scalars and the
     # service curve's call per batch cost twice the time (the controller's CPU is mostly these simulations)
-    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / arrival_rps, requests)).tolist()
+    arrival_times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / arrival_rps, requests))
+    arrivals = arrival_times.tolist()
     drawn = jitter_factors(jitter, requests, seed)     # at most one execution per request
     factors = None if drawn is None else drawn.tolist()
     cost_s: dict[int, float] = {}
-    queue: deque[float] = deque()
     free_at = [0.0] * instances                 # when each instance is next free
     heapq.heapify(free_at)
-    latencies: list[float] = []
+    ends: list[float] = []                      # per batch, when it ended
     batches: list[int] = []
     busy_s = 0.0
-    i = 0
-    while i < requests or queue:
+    # the queue is arrivals[head:i]: requests leave in arrival order, a batch takes the whole queue (it never holds
+    # more than max_batch), so indices stand for the queue and each batch's requests are consecutive
+    head = i = 0
+    replace, join, end, size = heapq.heapreplace, bisect.bisect_right, ends.append, batches.append  # bound once
+    while i < requests or head < i:
         t_free = free_at[0]
-        if not queue:                           # wait for the next arrival
-            queue.append(arrivals[i])
+        if head == i:                           # wait for the next arrival
             i += 1
             continue
         # the batch leaves when an instance is free and (the oldest waited long enough or the batch is full)
-        ready = max(t_free, queue[0] + delay_s)
-        while i < requests and len(queue) < max_batch and arrivals[i] <= ready:
-            queue.append(arrivals[i])
-            i += 1
-        start = max(t_free, queue[0] + delay_s) if len(queue) < max_batch else max(t_free, queue[max_batch - 1])
-        b = min(len(queue), max_batch)
+        due = arrivals[head] + delay_s
+        ready = t_free if t_free > due else due
+        limit = head + max_batch if head + max_batch < requests else requests
+        if i < limit and arrivals[i] <= ready:  # the arrivals up to `ready` join, up to a full batch
+            i = join(arrivals, ready, i, limit)
+        b = i - head
+        if b < max_batch:
+            start = ready
+        else:
+            full = arrivals[head + max_batch - 1]
+            start = t_free if t_free > full else full
         run_s = cost_s.get(b)
         if run_s is None:
             run_s = cost_s[b] = max(0.0, float(service_ms(b))) / 1000.0
         if factors is not None:
-            run_s *= factors[len(batches)]
-        heapq.heapreplace(free_at, start + run_s)
-        for _ in range(b):
-            latencies.append(start + run_s - queue.popleft())
-        batches.append(b)
+            run_s *= factors[len(ends)]
+        replace(free_at, start + run_s)
+        end(start + run_s)
+        size(b)
         busy_s += run_s
+        head = i
     horizon = max(max(free_at), arrivals[-1])
-    in_order = np.array(latencies) * 1000.0          # batches leave in arrival order
+    in_order = (np.repeat(ends, batches) - arrival_times) * 1000.0     # batches leave in arrival order
     half = len(in_order) // 2
     # why: a queue that only grows makes the later requests wait far longer than the earlier ones
     stable = bool(np.mean(in_order[half:]) < 2.0 * np.mean(in_order[:half]) + 1.0)
@@ -492,12 +500,12 @@ class ServiceModel:
 
 # ---- predictions for candidate configurations -----------------------------------------------------
 
-SIM_REQUESTS = 1000           # arrivals simulated per candidate (~1-2.5 ms of CPU) ...
+SIM_REQUESTS = 1000           # arrivals simulated per candidate (~0.5 ms of CPU here) ...
 SIM_REQUESTS_JITTERED = 4000  # ... and where executions vary (a jitter): its p99 is the 10th slowest of 1,000, and a
                               # run of slow draws in a burst of arrivals moved it by half. Measured (resnet_tiny's
                               # summary jitter, 1 instance, 315 req/s, 40 seeds): 1,000 requests p99 22.4 +- 7.0 ms,
                               # max 55.6 (a scale-up taken on such a 56 and undone 11 s later, r97); 4,000 22.1 +- 2.0,
-                              # max 27.9 (~4 ms a simulation); exact executions 15.7 +- 1.6 at 1,000
+                              # max 27.9 (~2 ms a simulation); exact executions 15.7 +- 1.6 at 1,000
 DEVICE_LIMIT = 0.95           # a configuration that would keep the device busier than this cannot hold the load ...
 DEVICE_SELF_BATCH = 0.8       # ... at the batches the simulation forms; where the device is busy its queue forms
                               # bigger ones by itself, sized (in `predict`) to keep it this busy
