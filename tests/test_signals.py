@@ -174,7 +174,10 @@ def test_garbage_metrics_text_is_no_data(text):
 
 
 def _all_fields_finite_or_none(counters: ModelCounters) -> bool:
-    numbers = [getattr(counters, f.name) for f in fields(counters) if f.name not in ("custom", "compute_quantiles_us")]
+    if not isinstance(counters.summaries, bool):
+        return False
+    numbers = [getattr(counters, f.name) for f in fields(counters)
+               if f.name not in ("custom", "compute_quantiles_us", "summaries")]
     numbers += list(counters.custom.values())
     numbers += [n for pair in counters.compute_quantiles_us for n in pair]
     return all(n is None or (isinstance(n, float) and math.isfinite(n)) for n in numbers)
