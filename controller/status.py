@@ -509,7 +509,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                              + (f"; executions of one size vary: p99 {jitter['p99_x']}x their mean"
                                 + (" (from Triton's compute summary)" if jitter.get("from") == "summary" else "")
                                 if isinstance(jitter, dict) and (jitter.get("scv") or 0) >= JITTER_FLOOR
-                                and jitter.get("p99_x") else "")))
+                                and (jitter.get("p99_x") or 0) > 1.0 else "")))   # 1.0: the sizes' mix holds the tail
             cold = o.get("cold_start")
             wu = m.get("warm_up") if isinstance(m.get("warm_up"), dict) else {}
             if isinstance(cold, dict):

@@ -210,6 +210,7 @@ def test_the_service_row_says_how_much_executions_vary_and_from_what():
     plain = "6.2 + 1.6 x batch ms per execution (r2 0.97, 60 executions)"
     assert service(None) == plain
     assert service({"scv": 0.01, "p99_x": 1.1, "from": "trace"}) == plain          # under the floor: exact
+    assert service({"scv": 0.09, "p99_x": 1.0, "from": "summary"}) == plain        # spread, but the tail is the sizes'
     assert service({"scv": 0.3, "p99_x": 2.4, "from": "trace"}) == plain + "; executions of one size vary: p99 2.4x their mean"
     assert service({"scv": 0.09, "p99_x": 2.0, "from": "summary"}) == \
         plain + "; executions of one size vary: p99 2.0x their mean (from Triton's compute summary)"
