@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .planner import Forecast, PlanInputs, implicit_step, mixture_p99, rate_components, simulate_quantised
-from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter, summary_quantiles
+from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter, summary_jitter
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import (TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceSummary, TraceWindow,
                      choose_sampling, needs_change, trace_release_unsafe)
@@ -262,9 +262,9 @@ class ModelObserver:
         """Untraced, estimate the live configuration's execution jitter from Triton's compute summary over a quiet
         minute (`_quiet_minute`'s) and keep it as a traced estimate is kept (`_add_jitter`), at most one every
         TAIL_CHECK_EVERY_S: the summary's quantiles of the compute (infer) time charged to each request
-        (`nv_inference_compute_infer_summary_us`), over the counters' mean of the same time for the minute
-        (`service.summary_quantiles`), against the statistics' executions per batch size over it
-        (`execution_jitter`, which takes out the part of the spread that the sizes' mix explains).
+        (`nv_inference_compute_infer_summary_us`), over the counters' mean of the same time for the minute,
+        against the statistics' executions per batch size over it (`service.summary_jitter`: `summary_quantiles`,
+        then `execution_jitter`, which takes out the part of the spread that the sizes' mix explains).
 
         Why: untraced, the simulation drew every execution at its size's mean, so its p99 for a model whose
         executions vary (a CPU model under contention) was short whatever the load: resnet_tiny untraced (r92)
@@ -279,19 +279,11 @@ class ModelObserver:
         _, minute = quiet
         end = minute.since + minute.span_s
         first, last = self._executed_at(minute.since), self._executed_at(end)
-        at_start = next((s.counters for s in self.counters.samples if abs(s.t - minute.since) <= 1e-6), None)
-        at_end = next((s.counters for s in self.counters.samples if abs(s.t - end) <= 1e-6), None)
+        at_start, at_end = self._counters_at(minute.since), self._counters_at(end)
         if first is None or last is None or first[0] != last[0] or last[1] <= first[1] or at_start is None \
-                or at_end is None or None in (at_start.compute_infer_us, at_end.compute_infer_us, at_start.success,
-                                              at_end.success):
+                or at_end is None:
             return
-        requests = at_end.success - at_start.success
-        if requests <= 0:
-            return
-        shape = summary_quantiles(c.compute_quantiles_us, (at_end.compute_infer_us - at_start.compute_infer_us) / requests)
-        if shape is None:
-            return
-        value = execution_jitter(shape[0], shape[1], int(requests), batch_deltas(first[3], last[3]), source="summary")
+        value = summary_jitter(c.compute_quantiles_us, at_start, at_end, batch_deltas(first[3], last[3]))
         if value is not None:
             self._keep_jitter(live, value)
 
@@ -380,6 +372,10 @@ class ModelObserver:
     def _executed_at(self, t: float) -> _Read | None:
         """(chain, executions, ns executing, the statistics) read at the tick of time t, or None."""
         return next(((c, n, ns, st) for u, c, n, ns, st in self._executed if abs(u - t) <= 1e-6), None)
+
+    def _counters_at(self, t: float) -> ModelCounters | None:
+        """The `/metrics` counters scraped at the tick of time t, or None."""
+        return next((s.counters for s in self.counters.samples if abs(s.t - t) <= 1e-6), None)
 
     def _executing(self, obs: Observation, instance_count: int, first: _Read | None,
                    last: _Read | None) -> Observation:

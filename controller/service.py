@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .signals import BatchStat, StatsCounters
+from .signals import BatchStat, ModelCounters, StatsCounters
 from .traces import COMPUTE_PROBS
 from .types import Settings
 
@@ -377,6 +377,25 @@ def execution_jitter(compute_scv: float | None, compute_quantiles: Sequence[floa
                 hi = mid
         full = shape(lo) or full
     return Jitter(scv, tuple(full), source=source)
+
+
+def summary_jitter(points: Sequence[tuple[float, float]], start: ModelCounters, end: ModelCounters,
+                   deltas: Mapping[int, tuple[int, int]]) -> Jitter | None:
+    """The execution jitter Triton's compute summary gives over the span between two scrapes: its quantiles
+    (`points`, `ModelCounters.compute_quantiles_us`) over the counters' mean compute (infer) time per request between
+    `start` and `end` (`summary_quantiles`), against the executions per batch size over the span (`deltas`,
+    `batch_deltas`; `execution_jitter`). None where the counters are unknown, no request completed between them, or
+    the summary cannot be read. The observer's untraced estimate (`observer._summary_jitter`) and
+    `scripts/jitter_check.py` both read it here."""
+    if None in (start.compute_infer_us, end.compute_infer_us, start.success, end.success):
+        return None
+    requests = end.success - start.success
+    if requests <= 0:
+        return None
+    shape = summary_quantiles(points, (end.compute_infer_us - start.compute_infer_us) / requests)
+    if shape is None:
+        return None
+    return execution_jitter(shape[0], shape[1], int(requests), deltas, source="summary")
 
 
 class ServiceTimes:

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from controller.planner import simulate
     from controller.server import ServerOptions, TritonServer, free_port
     from controller.observer import JITTER_SPAN_S
-    from controller.service import batch_deltas, execution_jitter, fit_service, summary_quantiles
+    from controller.service import batch_deltas, execution_jitter, fit_service, summary_jitter
     from controller.signals import Scraper
     from controller.traces import TraceApi, TraceFiles, TraceWindow
     from controller.types import Settings
@@ -127,15 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             jitter = execution_jitter(summary.compute_scv, summary.compute_quantiles, summary.compute_count, deltas)
             # untraced, the controller reads the jitter from Triton's compute summary (about its last minute) over
             # the counters' mean (observer._summary_jitter): the same here, over this window's counters
-            from_summary = None
-            if counted is not None and now_counted is not None and None not in (
-                    counted.success, now_counted.success, counted.compute_infer_us, now_counted.compute_infer_us) \
-                    and now_counted.success > counted.success:
-                shape = summary_quantiles(now_counted.compute_quantiles_us, (now_counted.compute_infer_us -
-                                          counted.compute_infer_us) / (now_counted.success - counted.success))
-                if shape is not None:
-                    from_summary = execution_jitter(shape[0], shape[1], int(now_counted.success - counted.success),
-                                                    deltas, source="summary")
+            from_summary = None if counted is None or now_counted is None else \
+                summary_jitter(now_counted.compute_quantiles_us, counted, now_counted, deltas)
             if fit is None or summary.p99_ms is None or summary.count < 50 or jitter is None or pooled is None:
                 print(f"{rate:g} req/s: too little to compare ({summary.count} traced)", file=sys.stderr)
                 ok = False
