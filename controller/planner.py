@@ -834,13 +834,32 @@ OBSERVED_OK_AGE_S = 2.0      # traced requests, with the forecast's high end rea
 
 
 @dataclass(frozen=True)
+class ConfigRatios:
+    """What one configuration did when live: its last windows' observed/predicted ratios (clipped), the two kinds
+    kept apart (`own_ratio` reads each, `config_correction` takes the larger). `ratios`: estimates of its p99's
+    ratio (a traced p99, or untraced the mean times the summaries' tail); `bounds`: untraced windows before the
+    tail was measured, the mean's ratio, which is only a lower bound of the p99's (a mean at or under the
+    prediction is recorded as 1.0: the tail is not seen). `at` / `bounds_at`: when each kind was last recorded."""
+
+    settings: Settings
+    at: float = -math.inf
+    ratios: tuple[float, ...] = ()
+    bounds_at: float = -math.inf
+    bounds: tuple[float, ...] = ()
+
+    def own(self, now: float) -> float | None:
+        """The larger of what each kind says (`own_ratio`), or None where neither remembers anything."""
+        said = [r for r in (own_ratio(self.ratios, now - self.at), own_ratio(self.bounds, now - self.bounds_at))
+                if r is not None]
+        return max(said) if said else None
+
+
+@dataclass(frozen=True)
 class PlannerState:
     """What the planner remembers between decisions (kept inside the policy's state)."""
 
     ratios: tuple[tuple[float, float], ...] = ()      # (time, observed / predicted p99) of recent windows
-    by_config: tuple[tuple[Settings, float, tuple[float, ...]], ...] = ()   # (config, time of its last window,
-                                                      # its last CONFIG_RATIO_CONFIRMED ratios, clipped): what it
-                                                      # did when live
+    by_config: tuple[ConfigRatios, ...] = ()          # per configuration, what it did when live, the most recent last
     smaller_ticks: int = 0                            # a smaller configuration met CONSOLIDATE_MARGIN this many decisions in a row
     smaller_best: Settings | None = None              # the largest of those smaller choices (the safe one)
     ratio_source: str = ""                            # what the last recorded window compared (RATIO_SOURCES)
@@ -907,7 +926,8 @@ def record_ratio(state: PlannerState, observed: float | None, predicted: float |
     2.5: the median of (1.0, 1.0, 2.5) is 1.0, the planner stays in charge. Were the model really 2.5x
     off, the window ending at 100 s would read 2.5 too, and the median of the last three would say so.
     What a configuration did when live is its last windows' ratios, each clipped to `CORRECTION_BOUNDS`,
-    read by `own_ratio`: one bad window counts for 90 s, two for 15 minutes. A delay that really ran worse
+    read by `own_ratio` (an untraced mean's, a lower bound, kept apart: `ConfigRatios`): one bad window counts
+    for 90 s, two for 15 minutes. A delay that really ran worse
     than predicted is set aside for 90 s after one window and, tried again and worse again, for 15 minutes."""
     if (observed is None or predicted is None or source not in RATIO_SOURCES or samples < MIN_RATIO_SAMPLES
             or predicted <= 0 or not math.isfinite(predicted) or observed <= 0):
@@ -919,11 +939,13 @@ def record_ratio(state: PlannerState, observed: float | None, predicted: float |
     kept = tuple(r for r in state.ratios if now - r[0] <= RATIO_MAX_AGE_S)
     by_config = state.by_config
     if live is not None:
-        by_config = tuple(x for x in by_config if now - x[1] <= CONFIG_RATIO_MAX_AGE_S)
-        old = next((r for s, _, r in by_config if s == live), ())
-        mine = (old + (bounded(ratio),))[-CONFIG_RATIO_CONFIRMED:]
-        by_config = tuple(x for x in by_config if x[0] != live)
-        by_config = (by_config + ((live, now, mine),))[-CONFIG_RATIO_KEPT:]
+        by_config = tuple(x for x in by_config if now - max(x.at, x.bounds_at) <= CONFIG_RATIO_MAX_AGE_S)
+        old = next((x for x in by_config if x.settings == live), ConfigRatios(live))
+        if source == "mean":
+            mine = dataclasses.replace(old, bounds_at=now, bounds=(old.bounds + (bounded(ratio),))[-CONFIG_RATIO_CONFIRMED:])
+        else:
+            mine = dataclasses.replace(old, at=now, ratios=(old.ratios + (bounded(ratio),))[-CONFIG_RATIO_CONFIRMED:])
+        by_config = (tuple(x for x in by_config if x.settings != live) + (mine,))[-CONFIG_RATIO_KEPT:]
     return dataclasses.replace(state, ratios=(kept + ((now, ratio),))[-RATIO_WINDOWS:], by_config=by_config,
                                ratio_source=source)
 
@@ -939,10 +961,17 @@ def config_correction(state: PlannerState, settings: Settings, default: float, n
 
     Example: 1 instance at 2000 us was live and ran at 1.3x its prediction in its last two windows; the
     recent windows say 1.1: when it is a candidate again, its prediction is multiplied by 1.3. Had it run at
-    0.9x: by 1.1. Had only one window said 1.3: by 1.3 for 90 s after it, then by 1.1."""
-    for s, t, r in state.by_config:
-        if s == settings:
-            own = own_ratio(r, now - t)
+    0.9x: by 1.1. Had only one window said 1.3: by 1.3 for 90 s after it, then by 1.1.
+
+    Untraced, its windows from before the tail was measured (the mean's ratio, a lower bound: `ConfigRatios`) and
+    those after (an estimate) are read apart and the larger taken, not the smaller of the last two of both. Why:
+    resnet_tiny r103, one instance: mean windows 1.15 and 1.0 (a mean under the prediction, recorded as 1.0), then
+    the first with the summaries' tail, 1.18; the planner scaled up on one instance predicted over the margin x
+    1.18, and 13 s later, at the same load, took one instance back as "under 0.8x the target" x min(1.0, 1.18) =
+    1.0; back at one instance its next window read 1.23. Now: max(1.18, min(1.15, 1.0)) = 1.18."""
+    for x in state.by_config:
+        if x.settings == settings:
+            own = x.own(now)
             return default if own is None else max(default, own)
     return default
 

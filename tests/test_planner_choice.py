@@ -498,7 +498,7 @@ def test_one_slow_second_does_not_set_the_planner_aside():
     # what 2 instances did when live: the stall's window, clipped to 1.5, is the smaller of its last two
     # windows' ratios only once the next window reads 1.5 or more too; the next read 1.0
     at90 = next(st for t, st, _ in ticks if t == 90.0)
-    assert at90.by_config[-1][2] == (1.0, planner.CORRECTION_BOUNDS[1])
+    assert at90.by_config[-1].ratios == (1.0, planner.CORRECTION_BOUNDS[1])
     assert planner.config_correction(at90, S(2), 1.0, 90.0) == 1.0
     assert planner.config_correction(ticks[-1][1], S(2), 1.0, 120.0) == 1.0
 
@@ -766,6 +766,38 @@ def test_a_configuration_remembers_how_far_off_its_own_prediction_was():
     assert planner.config_correction(s, S(1, 2000), 1.0, 50.0) == 1.0
 
 
+def test_an_untraced_means_lower_bound_does_not_undo_the_tail_it_could_not_see():
+    # resnet_tiny r103: one instance's untraced windows read 1.15 and 1.0 by the mean (a mean under the prediction
+    # is recorded as 1.0: the tail is not seen), then 1.18 with the summaries' tail; the planner scaled up on that
+    # 1.18, and 13 s later at the same load took one instance back "under 0.8x the target" x min(1.0, 1.18)
+    s = PlannerState()
+    for t, observed, source in [(10.0, 11.5, "mean"), (20.0, 9.0, "mean"), (30.0, 11.8, "mean_tail")]:
+        s = record_ratio(s, observed, 10.0, source, 900, t, live=S(1), since=t - 10.0)
+    s = record_ratio(s, 10.0, 10.0, "mean_tail", 900, 45.0, live=S(2), since=35.0)
+    mine = s.by_config[0]
+    assert mine.settings == S(1) and mine.ratios == (pytest.approx(1.18),) and mine.bounds == (pytest.approx(1.15), 1.0)
+    assert correction(s, 46.0)[0] == 1.0          # the last three windows' median (1.0, 1.18, 1.0), every kind
+    assert planner.config_correction(s, S(1), 1.0, 46.0) == pytest.approx(1.18)   # max(1.18, min(1.15, 1.0))
+    # two instances live at 240 req/s: one instance is 30.0 ms at the forecast's 264 raw, 35.4 x 1.18: it stays
+    st = s
+    for k in range(CONSOLIDATE_TICKS + 1):
+        p = run(S(2), 240.0, inputs(1, 2), st, now=50.0 + k)
+        st = p.state
+        assert p.target is None and p.reason == "HoldPredictedOk", p.detail
+    # two estimates, one of 1.0: the smaller is what it did (a bad window is not), and one instance goes
+    both = record_ratio(record_ratio(PlannerState(), 10.0, 10.0, "mean_tail", 900, 20.0, live=S(1), since=10.0),
+                        11.8, 10.0, "mean_tail", 900, 30.0, live=S(1), since=20.0)
+    both = dataclasses.replace(both, ratios=((45.0, 1.0),))
+    assert planner.config_correction(both, S(1), 1.0, 46.0) == 1.0
+    for k in range(CONSOLIDATE_TICKS):
+        p = run(S(2), 240.0, inputs(1, 2), both, now=50.0 + k)
+        both = p.state
+    assert p.reason == "ScaleDownConsolidated" and p.target == S(1), p.detail
+    # each kind ages on its own clock: the lone estimate for 90 s, the two bounds for 15 minutes
+    assert planner.config_correction(s, S(1), 1.0, 30.0 + planner.RATIO_MAX_AGE_S + 1) == pytest.approx(1.0)
+    assert planner.config_correction(s, S(1), 1.0, 20.0 + planner.CONFIG_RATIO_MAX_AGE_S + 1) == 1.0
+
+
 def test_one_window_is_remembered_as_long_as_a_recent_ratio_two_for_fifteen_minutes():
     # bursty r24: the first window after the warm-up read 1.68 on one instance, the only window one instance had
     s = record_ratio(PlannerState(), 1.68 * 30.0, 30.0, "trace", 300, 13.0, live=S(1))
@@ -776,7 +808,7 @@ def test_one_window_is_remembered_as_long_as_a_recent_ratio_two_for_fifteen_minu
     assert planner.config_correction(two, S(1), 1.0, 24.0 + planner.CONFIG_RATIO_MAX_AGE_S) == 1.0
     # one instance live again much later, and right: the lone bad window was not what it does
     later = record_ratio(s, 30.0, 30.0, "trace", 300, 500.0, live=S(1))
-    assert later.by_config == ((S(1), 500.0, (1.5, 1.0)),)
+    assert later.by_config == (planner.ConfigRatios(S(1), 500.0, (1.5, 1.0)),)
     assert planner.config_correction(later, S(1), 1.1, 600.0) == 1.1
     assert planner.own_ratio((), 0.0) is None
     assert planner.own_ratio((1.2, 1.4, 1.3), 100.0) == 1.3                      # the last two only
