@@ -7,7 +7,8 @@ A `ModelObserver` owns everything the controller knows about what one model did:
 * its sampled request traces (`traces.TraceWindow`) and the latency figure with its source;
 * its service time per batch size, per live configuration (`service.ServiceTimes`), how much one
   execution's time varies around it (`service.execution_jitter`, per configuration: from the traced requests,
-  or untraced from Triton's compute summary over a quiet minute, `_summary_jitter`), and the p99 the
+  or untraced from Triton's compute summary over a quiet minute, `_summary_jitter`; until a configuration has its
+  own, the nearest count's, as the planner simulates it: `_nearest_jitter`), and the p99 the
   planner's model predicts from both for the live configuration at the measured arrival rate (logged
   beside the measured p99, so that prediction error is known before anything decides on it);
 * the device readings attached to its observations.
@@ -42,7 +43,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .planner import Forecast, PlanInputs, implicit_step, mixture_p99, rate_components, simulate_quantised
+from .planner import (Forecast, PlanInputs, implicit_step, jitter_per_count, mixture_p99, nearest_jitter,
+                      rate_components, simulate_quantised)
 from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter, summary_jitter
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
 from .traces import (TraceApi, TraceApiError, TraceFiles, TraceSample, TraceSampling, TraceSummary, TraceWindow,
@@ -173,6 +175,17 @@ class ModelObserver:
         values = self._jitter.get(settings)
         return sorted(values, key=lambda j: j.scv)[len(values) // 2] if values else None
 
+    def _nearest_jitter(self, live: Settings) -> Jitter | None:
+        """Where the live configuration has no jitter of its own yet (its first minute, untraced; its first traced
+        windows), the one the planner simulates its instance count with (`planner.nearest_jitter`: another delay at
+        the count, else the nearest count measured), so that the window's prediction, which the planner checks
+        itself against, is the planner's own. Why: resnet_tiny r103, one instance's executions p99 1.86x their mean;
+        two instances' windows were predicted with exact executions for their first minute while the planner
+        predicted two instances with one's jitter, and what they recorded of the model's error was of another
+        model. `obs.jitter` stays the configuration's own (what `status` shows as measured)."""
+        others = tuple((s, j) for s in self._jitter if s != live and (j := self.jitter(s)) is not None)
+        return nearest_jitter(jitter_per_count(others), live.instance_count)
+
     def add_traces(self, samples: Iterable[TraceSample], read_at: float) -> None:
         self.traces.add(list(samples), read_at)
 
@@ -211,13 +224,14 @@ class ModelObserver:
                 self._summary_jitter(now, quiet, live)
             fit = self.service.fit(live)
             jitter = self.jitter(live)
+            simulated = jitter if jitter is not None else self._nearest_jitter(live)
             parts = self._window_parts(obs) if fit is not None else []   # once a tick, for both uses
             if fit is not None:
-                self._note_implicit(now, obs, live, max(1, max_batch_size), fit, jitter, parts)
+                self._note_implicit(now, obs, live, max(1, max_batch_size), fit, simulated, parts)
             p99, mean = (None, None) if fit is None else \
-                self._window_prediction(obs, live, max(1, max_batch_size), fit, jitter, parts)
+                self._window_prediction(obs, live, max(1, max_batch_size), fit, simulated, parts)
             if fit is not None and quiet is not None and obs.p99_source != "trace":
-                self._check_tail(now, quiet, live, max(1, max_batch_size), fit, jitter)
+                self._check_tail(now, quiet, live, max(1, max_batch_size), fit, simulated)
             obs = dataclasses.replace(obs, service=fit, jitter=jitter, cold_start=self.service.cold_start(),
                                       predicted_p99_ms=p99, predicted_mean_ms=mean,
                                       tail_check=None if obs.p99_source == "trace" else self.tail_check)

@@ -429,10 +429,7 @@ class ServiceModel:
             best = per_count.get(s.instance_count)
             if best is None or fit.executions > best.executions:
                 per_count[s.instance_count] = fit
-        jitters: dict[int, Jitter] = {}
-        for s, j in jitter_by_config:       # several delays at one count: the one that varies most (the cautious one)
-            if s.instance_count not in jitters or j.scv > jitters[s.instance_count].scv:
-                jitters[s.instance_count] = j
+        jitters = jitter_per_count(jitter_by_config)
         model = ServiceModel._build(per_count, device_util)
         model = dataclasses.replace(model, fits=ServiceModel._shaped(per_count),
                                     items=max(1.0, items) if math.isfinite(items) else 1.0,
@@ -493,9 +490,25 @@ class ServiceModel:
     def jitter(self, n: int) -> "Jitter | None":
         """The jitter measured at `n` instances, else at the nearest count measured (the smaller on a tie), else
         None. Example: measured at 1 instance (scv 0.6) and at 2 (0.08): 3 instances are simulated with 2's."""
-        if not self.jitters:
-            return None
-        return self.jitters[min(self.jitters, key=lambda c: (abs(c - n), c))]
+        return nearest_jitter(self.jitters, n)
+
+
+def jitter_per_count(jitter_by_config: Sequence[tuple[Settings, "Jitter"]]) -> dict[int, "Jitter"]:
+    """Per instance count, the jitter measured there; several delays at one count: the one that varies most (the
+    cautious one)."""
+    out: dict[int, Jitter] = {}
+    for s, j in jitter_by_config:
+        if s.instance_count not in out or j.scv > out[s.instance_count].scv:
+            out[s.instance_count] = j
+    return out
+
+
+def nearest_jitter(per_count: dict[int, "Jitter"], n: int) -> "Jitter | None":
+    """The jitter at `n` instances, else at the nearest count measured (the smaller on a tie), else None: what the
+    planner simulates `n` instances with (`ServiceModel.jitter`) and the observer its window's prediction."""
+    if not per_count:
+        return None
+    return per_count[min(per_count, key=lambda c: (abs(c - n), c))]
 
 
 # ---- predictions for candidate configurations -----------------------------------------------------

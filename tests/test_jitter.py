@@ -361,11 +361,21 @@ def test_untraced_the_observer_reads_the_jitter_from_the_compute_summary_over_a_
     bare = ModelObserver("m", window_s=10.0, settle_s=0.0)
     plain = _untraced(bare, range(0, 63), ())
     assert plain.jitter is None and obs.predicted_p99_ms > plain.predicted_p99_ms
-    # a change: nothing for the new configuration until it has held a minute
+    # a change: nothing of its own for the new configuration until it has held a minute ...
     other = Settings(2, 0)
     o.mark_change(62.0)
-    assert _untraced(o, range(63, 122), SUMMARY_US, live=other).jitter is None
+    bare.mark_change(62.0)
+    first = _untraced(o, range(63, 81), SUMMARY_US, live=other)
+    exact = _untraced(bare, range(63, 81), (), live=other)
+    assert first.jitter is None and exact.jitter is None
+    # ... but its window is predicted as the planner simulates it, with the nearest count's (one instance's) jitter
+    assert o._nearest_jitter(other) is o.jitter(LIVE) and bare._nearest_jitter(other) is None
+    assert first.predicted_p99_ms > exact.predicted_p99_ms
+    model = ServiceModel.build(o.plan_inputs(8, 2.0).fits, None, o.plan_inputs(8, 2.0).jitters)
+    assert model.jitter(2) is o.jitter(LIVE)
+    assert _untraced(o, range(81, 122), SUMMARY_US, live=other).jitter is None
     assert _untraced(o, range(122, 124), SUMMARY_US, live=other).jitter.source == "summary"
+    assert o._nearest_jitter(other) is o.jitter(LIVE)      # what the live one would borrow, were it without its own
 
 
 def test_traced_the_summary_is_not_read():
