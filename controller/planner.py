@@ -954,8 +954,9 @@ def record_ratio(state: PlannerState, observed: float | None, predicted: float |
     if live is not None:
         by_config = tuple(x for x in by_config if now - max(x.at, x.bounds_at) <= CONFIG_RATIO_MAX_AGE_S)
         old = next((x for x in by_config if x.settings == live), ConfigRatios(live))
-        if source == "mean":
-            mine = dataclasses.replace(old, bounds_at=now, bounds=(old.bounds + (bounded(ratio),))[-CONFIG_RATIO_CONFIRMED:])
+        if source == "mean":        # a lower bound of its p99's ratio (the tail not seen): kept apart, `ConfigRatios`
+            mine = dataclasses.replace(old, bounds_at=now,
+                                       bounds=(old.bounds + (bounded(ratio),))[-CONFIG_RATIO_CONFIRMED:])
         else:
             mine = dataclasses.replace(old, at=now, ratios=(old.ratios + (bounded(ratio),))[-CONFIG_RATIO_CONFIRMED:])
         by_config = (tuple(x for x in by_config if x.settings != live) + (mine,))[-CONFIG_RATIO_KEPT:]
