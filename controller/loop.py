@@ -715,7 +715,11 @@ class Controller:
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.batch_limit,
                                            inputs)
         ceiling, _ = policy.instance_ceiling(mm.current, mm.limits, mm.state, obs, now)
-        stale = mm.predicted is None or mm.predicted["live"] != mm.current or mm.predicted["ceiling"] != ceiling
+        correction = _correction(mm.state.plan, now)
+        # why: the row says what its predictions were multiplied by; recomputed when that changes (a window recorded,
+        # or the first with the summaries' tail), not up to PREDICTED_EVERY_S later beside a decision that says otherwise
+        stale = (mm.predicted is None or mm.predicted["live"] != mm.current or mm.predicted["ceiling"] != ceiling
+                 or mm.predicted["correction"] != correction)
         if inputs is not None and obs.valid and (stale or now - mm.predicted_t >= PREDICTED_EVERY_S):
             caps = planner.capacities(mm.current, inputs, mm.state.plan, target_ms=mm.limits.p99_target_ms,
                                       min_instances=mm.limits.min_instances, max_instances=mm.limits.max_instances,
@@ -723,7 +727,7 @@ class Controller:
                                       avg_batch=obs.avg_batch_size, now=now, also=(ceiling,))
             n = mm.current.instance_count
             mm.predicted, mm.predicted_t = {"capacity_rps": {k: v for k, v in caps.items() if abs(k - n) <= 1},
-                                            "correction": _correction(mm.state.plan, now),
+                                            "correction": correction,
                                             # why: no curve yet for the live count (just changed): ask again next tick
                                             "mode": decision.mode, "live": mm.current if caps else None, "ceiling": ceiling,
                                             "at_ceiling_rps": caps.get(ceiling)}, now
@@ -755,8 +759,8 @@ class Controller:
 
     def _update_capacity(self, mm: ManagedModel, obs: Observation, decision: Decision, ceiling: int, now: float) -> None:
         """This model's use of the pod's capacity at its ceiling (controller/capacity.py), with the planner's
-        capacity at the ceiling where it has one for the live configuration (recomputed on a change of it or of
-        the ceiling, else every PREDICTED_EVERY_S). Without a valid observation the last figure stays for up to
+        capacity at the ceiling where it has one for the live configuration (recomputed on a change of it, of
+        the ceiling or of the planner's correction, else every PREDICTED_EVERY_S). Without a valid observation the last figure stays for up to
         CAPACITY_STALE_WINDOWS windows, then goes (absent)."""
         p = mm.predicted
         # why: a planner set aside (its p99 far from the observed one, or too little data) is not trusted with the

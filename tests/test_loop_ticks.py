@@ -636,6 +636,23 @@ def test_the_fleet_scalers_capacity_at_the_ceiling_is_the_planners_not_a_linear_
     assert cap.utilization == pytest.approx(150.0 / cap.capacity_rps)
 
 
+def test_the_predicted_row_is_recomputed_when_the_correction_changes_not_only_every_30_s():
+    """`status`'s predicted row says what its capacities were multiplied by: seen lagging by up to 30 s ("the tail
+    not yet checked" beside a decision already "x the summaries' tail"). Now a new correction recomputes it."""
+    from controller import loop as loop_mod
+    c, clock, mm = _fleet_model()
+    assert mm.predicted is not None
+    before_t, before = mm.predicted_t, mm.predicted["capacity_rps"][1]
+    # a window recorded 1.4x the prediction (a slower machine, say): the next tick's row carries it, and its figures
+    mm.state = dataclasses.replace(mm.state, plan=dataclasses.replace(
+        mm.state.plan, ratios=((clock.t, 1.4),) * 3, ratio_source="mean_tail"))
+    run_ticks(c, clock, 1)
+    assert clock.t - before_t < loop_mod.PREDICTED_EVERY_S
+    assert mm.predicted["correction"] == loop_mod._correction(mm.state.plan, clock.t)
+    assert mm.predicted["correction"]["from"] == "mean_tail" and mm.predicted["correction"]["x"] >= 1.3
+    assert mm.predicted_t > before_t and mm.predicted["capacity_rps"][1] < before
+
+
 def test_the_fleet_scalers_capacity_is_not_the_planners_while_the_planner_is_set_aside():
     """A planner set aside (its p99 far from the observed one, or too little data: mode "fallback") is not trusted
     with the exported capacity either: a stateful model's sequence slots made it 12x off, and its capacity read
