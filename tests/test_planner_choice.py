@@ -798,6 +798,26 @@ def test_an_untraced_means_lower_bound_does_not_undo_the_tail_it_could_not_see()
     assert planner.config_correction(s, S(1), 1.0, 20.0 + planner.CONFIG_RATIO_MAX_AGE_S + 1) == 1.0
 
 
+@settings(max_examples=200, deadline=None)
+@given(windows=st.lists(st.tuples(st.sampled_from(["mean", "mean_tail", "trace"]), st.floats(0.3, 3.0),
+                                  st.integers(1, 3)), min_size=1, max_size=12),
+       default=st.floats(0.67, 1.5), later=st.floats(0.0, 1000.0))
+def test_a_means_window_never_lowers_what_a_configurations_estimates_say(windows, default, later):
+    # the property this rule is for: a candidate's correction is within [default, the bound], and recording its
+    # untraced mean windows (lower bounds) beside its p99 estimates never takes it under what the estimates alone say
+    every, estimates_only, t = PlannerState(), PlannerState(), 0.0
+    for source, ratio, n in windows:
+        t += 10.0
+        every = record_ratio(every, 10.0 * ratio, 10.0, source, 500, t, live=S(n), since=t - 10.0)
+        if source != "mean":
+            estimates_only = record_ratio(estimates_only, 10.0 * ratio, 10.0, source, 500, t, live=S(n), since=t - 10.0)
+    now = t + later
+    for n in (1, 2, 3):
+        c = planner.config_correction(every, S(n), default, now)
+        assert default <= c <= max(default, planner.CORRECTION_BOUNDS[1])
+        assert c >= planner.config_correction(estimates_only, S(n), default, now)
+
+
 def test_one_window_is_remembered_as_long_as_a_recent_ratio_two_for_fifteen_minutes():
     # bursty r24: the first window after the warm-up read 1.68 on one instance, the only window one instance had
     s = record_ratio(PlannerState(), 1.68 * 30.0, 30.0, "trace", 300, 13.0, live=S(1))
