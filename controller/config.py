@@ -18,6 +18,7 @@ Every default lives in the dataclasses below (this is the one place). A YAML fil
       metrics_port: 9109              # 0 (the default): a free loopback port, which `status` finds
       metrics_address: 127.0.0.1      # an IP address; 0.0.0.0 exposes /metrics and /status (a sidecar)
       gpu: auto                       # auto | nvml | simulated | none
+      cpu_device: true                # without a GPU, the server's CPU use is the device of CPU models (cpu.py)
       tracing: auto                   # p99 from sampled request traces: auto (on from Triton 2.57) | true | false
     defaults:                         # apply to every model unless overridden below
       p99_target_ms: 100
@@ -93,6 +94,8 @@ class LoopConfig:
     repair: bool = True                 # a full reload of a model whose requests keep failing (a crashed instance)
     repair_after_s: float = 10.0        # ... once failures have been seen this long, at least REPAIR_MIN_FAILURES
     repair_backoff_s: float = 300.0     # ... and again, if they persist, after this long (doubling, at most 1 h)
+    cpu_device: bool = True             # without a GPU, the server's CPU use (its process tree, /proc) is the device
+                                        # of the models on no other (cpu.py): the planner's contention and capacity bound
     warm_up: bool = True                # a model read to start cold, with no model_warmup of its own, is reloaded once
                                         # with Triton's model_warmup (zero data; warmup.py) so new instances warm first
 

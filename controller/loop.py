@@ -37,8 +37,9 @@ from . import ensemble, groups, modelkind, planner, policy, warmup
 from .arbiter import ModelView, arbitrate
 from .actuation import UNREACHABLE, Actuator, ApplyResult, TritonControl, classify_error, settings_of
 from .calls import SOURCE_FILES, CallGraph, named_in_source
-from .config import ControllerConfig, ModelLimits
+from .config import ControllerConfig, ModelLimits, ServerConfig
 from .decision_log import JsonLog
+from .cpu import CpuSeries, ServerCpu
 from .gpu import SIM_MEMORY_METRIC, GpuSource, NullSource, SimulatedDeviceSource, open_gpu_source
 from .observer import ModelObserver, TraceFeed
 from .ownership import FOREIGN_LIVE, FOREIGN_UNREACHABLE, MINE, TAKE_OVER, OwnerMark, OwnershipGuard, Verdict, identity, mark_of
@@ -177,6 +178,9 @@ def summarize_obs(obs: Observation) -> dict:
         out["cold_start"] = obs.cold_start
     if obs.gpus:
         out["mem_used_mb"] = r(sum(g.memory_used_bytes or 0 for g in obs.gpus) / 2**20, 1)
+    if obs.cpu is not None:          # the CPU as this model's device (cpu.py)
+        out["cpu"] = {"util": r(obs.cpu.utilisation, 3), "cores": r(obs.cpu.cores, 2), "server": r(obs.cpu.server, 3),
+                      "stubs": {m: r(s, 3) for m, s in sorted(obs.cpu.stubs.items())}}
     return out
 
 
@@ -184,7 +188,8 @@ class Controller:
     def __init__(self, config: ControllerConfig, *, control: TritonControl | None = None,
                  scraper: Scraper | None = None, gpu: GpuSource | None = None,
                  clock: Callable[[], float] = time.monotonic, metrics: ControllerMetrics | None = None,
-                 traces: TraceFeed | None = None, control_factory: Callable[[], TritonControl] | None = None):
+                 traces: TraceFeed | None = None, control_factory: Callable[[], TritonControl] | None = None,
+                 cpu: ServerCpu | None = None):
         self.config = config
         self.clock = clock
         s = config.server
@@ -199,6 +204,10 @@ class Controller:
         self.gpu_mode = config.loop.gpu
         self.gpu = gpu if gpu is not None else self._open_gpu(config.loop.gpu)
         self.simulated = SimulatedDeviceSource(config.loop.simulated_device_memory_mb)
+        # the server's CPU, the device of models on no other (cpu.py); by default read where the server is this
+        # machine's (found by its port); an injected control (tests' fakes) reads none unless one is given
+        self.cpu = cpu if cpu is not None else (_server_cpu(s) if control is None and config.loop.cpu_device else None)
+        self.cpu_series = CpuSeries()
         max_bytes = int(config.loop.decision_log_max_mb * 2**20) if config.loop.decision_log_max_mb else None
         self.decision_log = JsonLog(config.loop.decision_log, max_bytes, config.loop.log_files_kept)
         self.observation_log = JsonLog(config.loop.observation_log, max_bytes, config.loop.log_files_kept)
@@ -613,6 +622,8 @@ class Controller:
         self._note_summaries(scraped)
         stats = self.scraper.all_stats() if scraped is not None else None
         devices = self._last_devices = self._devices(scraped)
+        if self.cpu is not None:
+            self.cpu_series.add(self.cpu.read(now))
         traffic = any(mm.last_obs is not None and mm.last_obs.valid and mm.last_obs.arrival_rps > 0
                       for mm in self.models.values())
         traced = self.traces.poll(now, traffic)
@@ -673,6 +684,14 @@ class Controller:
         self._gpu_failing = False
         return devices
 
+    def _cpu_device(self, devices: tuple[GpuObservation, ...]) -> CpuSeries | None:
+        """The server's CPU readings where the CPU is a model's device: no device reports for it this tick and no
+        GPU is read at all (no NVML, or `gpu: none`: a model on a GPU machine that one GPU read missed is not taken
+        for a CPU model); None otherwise (cpu.py)."""
+        if self.cpu is None or devices or not isinstance(self.gpu, NullSource):
+            return None
+        return self.cpu_series
+
     def _decide_model(self, mm: ManagedModel, scraped: dict[str, ModelCounters] | None,
                       stats: dict[str, StatsCounters] | None, devices, now: float) -> tuple[Decision, Observation] | None:
         """Observe and decide for one model; None when its live config cannot be read (logged)."""
@@ -694,7 +713,8 @@ class Controller:
             return None
         mm.observer.add_scrape(now, counters, None if stats is None else stats.get(mm.name), mm.current)
         on_device = not self._simulating or self.simulated.hosts(counters)
-        obs = mm.observer.observe(now, mm.current, devices if on_device else (), mm.batch_limit)
+        cpu = self._cpu_device(devices if on_device else ())
+        obs = mm.observer.observe(now, mm.current, devices if on_device else (), mm.batch_limit, cpu)
         if obs.valid and mm.per_device:
             obs = dataclasses.replace(obs, placement=tuple(mm.per_device.items()))
         if obs.valid and warmup.has_warmup(mm.live_config):
@@ -709,7 +729,8 @@ class Controller:
             return None
         if self.config.loop.owner_mark and not self._may_act(mm, obs, now):
             return None
-        inputs = (mm.observer.plan_inputs(mm.batch_limit, self.config.loop.interval_s, self._device_fraction(mm, obs))
+        inputs = (mm.observer.plan_inputs(mm.batch_limit, self.config.loop.interval_s, self._device_fraction(mm, obs),
+                                          planner.CPU_SHARE if obs.cpu is not None else planner.DEVICE_SHARE)
                   if self.config.loop.planner else None)
         mm.plan_inputs = inputs
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.batch_limit,
@@ -743,6 +764,11 @@ class Controller:
         those of every managed model observed on the same devices (their last observations). None when it
         is alone there or nothing is known. Example: this model 2 instances 50% busy, another 1 instance
         100% busy on the same device: 1.0 / 2.0 = 0.5."""
+        if obs.valid and not obs.gpus and obs.cpu is not None:
+            # its part of the cores' busy time (cpu.py); an in-process backend (no stub) is given the server's part
+            share = obs.cpu.share(mm.name)
+            share = obs.cpu.server if share is None else share
+            return None if share >= 0.999 else share
         if not obs.valid or not obs.gpus:
             return None
         mine_dev = {g.index for g in obs.gpus}
@@ -1314,6 +1340,18 @@ def owner_status(mm: ManagedModel, me: OwnerMark) -> dict | None:
     v = mm.owner
     return {"owner": mm.mark.owner, "status_url": mm.mark.status_url, "mine": mm.mark.owner == me.owner,
             "state": None if v is None else v.state, "detail": (v.detail or None) if v is not None else None}
+
+
+def _server_cpu(server: ServerConfig) -> ServerCpu | None:
+    """A reader of the server's CPU (cpu.py) where its gRPC address is this machine's, found by that port; None for
+    a server elsewhere (its processes are not visible here)."""
+    from .server import tritonserver_pid
+    from .telemetry import is_loopback_host
+    host, _, port = server.grpc_url.rpartition(":")
+    host = host.split("://")[-1].strip("[]")
+    if not (host == "0.0.0.0" or is_loopback_host(host)) or not port.isdigit():
+        return None
+    return ServerCpu(lambda: tritonserver_pid(int(port)))
 
 
 def _note_requests(mm: ManagedModel, counters: ModelCounters | None, now: float) -> None:

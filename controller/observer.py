@@ -43,7 +43,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .planner import (Forecast, PlanInputs, implicit_step, jitter_per_count, mixture_p99, nearest_jitter,
+from .cpu import CpuSeries
+from .planner import (DEVICE_SHARE, Forecast, PlanInputs, implicit_step, jitter_per_count, mixture_p99, nearest_jitter,
                       rate_components, simulate_quantised)
 from .service import Jitter, ServiceTimes, batch_deltas, counters_restarted, execution_jitter, summary_jitter
 from .signals import SUMMARY_MAX_AGE_S, ModelCounters, ModelWindow, StatsCounters
@@ -161,13 +162,14 @@ class ModelObserver:
         else:
             self.forecast = self.forecast.update(now, tick.arrival_rps)
 
-    def plan_inputs(self, max_batch_size: int, interval_s: float, device_fraction: float | None = None) -> PlanInputs:
+    def plan_inputs(self, max_batch_size: int, interval_s: float, device_fraction: float | None = None,
+                    device_share: float = DEVICE_SHARE) -> PlanInputs:
         """What the planner needs from this observer: every measured service curve and the forecast."""
         fits = tuple((s, f) for s in self.service.configs() if (f := self.service.fit(s)) is not None)
         jitters = tuple((s, j) for s in self._jitter if (j := self.jitter(s)) is not None)
         return PlanInputs(fits=fits, forecast=self.forecast, max_batch=max_batch_size, interval_s=interval_s,
                           device_fraction=device_fraction, jitters=jitters, items_per_request=self.items_per_request,
-                          implicit_us=self.implicit_us)
+                          implicit_us=self.implicit_us, device_share=device_share)
 
     def jitter(self, settings: Settings) -> Jitter | None:
         """The configuration's execution jitter: of its last JITTER_KEPT windows' estimates, the one with the
@@ -199,7 +201,9 @@ class ModelObserver:
 
     # -- the observation -----------------------------------------------------------------------
     def observe(self, now: float, live: Settings, devices: tuple[GpuObservation, ...] = (),
-                max_batch_size: int = 0) -> Observation:
+                max_batch_size: int = 0, cpu: CpuSeries | None = None) -> Observation:
+        """`devices`: the devices this model runs on, as read this tick; `cpu`: where the CPU is its device instead
+        (cpu.py), the server's CPU readings, averaged here over the observation's span as a device's utilisation."""
         span = min(self.window_s, max(0.0, now - self.fresh_from))
         obs = self.counters.observe(now, span, live.instance_count)
         ends: tuple[_Read | None, _Read | None] = (None, None)
@@ -212,6 +216,8 @@ class ModelObserver:
             self._utilisation.popleft()
         if obs.valid and devices:
             obs = dataclasses.replace(obs, gpus=self._window_utilisation(devices, obs.since, now))
+        elif obs.valid and cpu is not None:
+            obs = dataclasses.replace(obs, cpu=cpu.span(obs.since, now))
         quiet = self._quiet_minute(now, live)      # read once a tick, for the tail ratio and the tail check
         self._calibrate_tail(quiet)
         traced = self.traces.summary(now, now - obs.since, since=obs.since) if obs.valid else None

@@ -377,7 +377,8 @@ class Forecast:
 # ---- service time of a configuration not yet measured ----------------------------------------------
 
 DEFAULT_CONTENTION = 0.1      # added service time per extra instance, before anything says otherwise
-DEVICE_SHARE = 0.5            # the share of an execution assumed to run on the device (the prior's scale)
+DEVICE_SHARE = 0.5            # the share of an execution assumed to run on the device (the prior's scale) ...
+CPU_SHARE = 1.0               # ... where the device is the CPU (cpu.py), all of it: the host's part runs there too
 
 
 @dataclass(frozen=True)
@@ -390,7 +391,10 @@ class ServiceModel:
     learned from every pair of measured counts (their curves compared at a common batch size);
     with one count measured it comes from the device's utilisation u instead: gamma = u * 0.5 (a new
     execution finds the device busy a fraction u of the time, and about half of an execution runs
-    on the device), and `DEFAULT_CONTENTION` without a utilisation reading.
+    on the device; where the device is the CPU, `CPU_SHARE`: all of it, gamma = u), and
+    `DEFAULT_CONTENTION` without a utilisation reading. Example: a torch model on 2 cores whose one instance
+    keeps the server's tree 96% busy: gamma 0.96, two instances each ~1.96x as slow, no capacity gained
+    (measured: 1.00); the default 0.1 had predicted 1.8x.
 
     Example: 2 instances measured at s(1) = 8.0 ms, 4 instances at 10.4 ms: r = 1.3 = (1 + 3g) /
     (1 + g) -> g = 0.3 / 1.7 = 0.176. Six instances are then predicted at s_4(b) * (1 + 5g) / (1 + 3g)
@@ -423,14 +427,14 @@ class ServiceModel:
     @staticmethod
     def build(fits_by_config: Sequence[tuple[Settings, "ServiceFit"]], device_util: float | None,
               jitter_by_config: Sequence[tuple[Settings, "Jitter"]] = (), items: float = 1.0,
-              implicit_us: int = 0) -> "ServiceModel":
+              implicit_us: int = 0, device_share: float = DEVICE_SHARE) -> "ServiceModel":
         per_count: dict[int, ServiceFit] = {}
         for s, fit in fits_by_config:
             best = per_count.get(s.instance_count)
             if best is None or fit.executions > best.executions:
                 per_count[s.instance_count] = fit
         jitters = jitter_per_count(jitter_by_config)
-        model = ServiceModel._build(per_count, device_util)
+        model = ServiceModel._build(per_count, device_util, device_share)
         model = dataclasses.replace(model, fits=ServiceModel._shaped(per_count),
                                     items=max(1.0, items) if math.isfinite(items) else 1.0,
                                     implicit_us=max(0, int(implicit_us)))
@@ -456,7 +460,8 @@ class ServiceModel:
         return out
 
     @staticmethod
-    def _build(per_count: dict[int, "ServiceFit"], device_util: float | None) -> "ServiceModel":
+    def _build(per_count: dict[int, "ServiceFit"], device_util: float | None,
+               device_share: float = DEVICE_SHARE) -> "ServiceModel":
         gammas = []
         counts = sorted(per_count)
         for i, m1 in enumerate(counts):
@@ -473,7 +478,7 @@ class ServiceModel:
         if gammas:
             return ServiceModel(per_count, float(np.median(gammas)), "measured")
         if device_util is not None and math.isfinite(device_util):
-            return ServiceModel(per_count, min(1.0, max(0.0, device_util)) * DEVICE_SHARE, "utilisation")
+            return ServiceModel(per_count, min(1.0, max(0.0, device_util)) * device_share, "utilisation")
         return ServiceModel(per_count, DEFAULT_CONTENTION, "default")
 
     def curve(self, n: int) -> Callable[[float], float] | None:
@@ -1015,6 +1020,7 @@ class PlanInputs:
     jitters: tuple[tuple[Settings, "Jitter"], ...] = ()   # per configuration: its executions' jitter (`simulate`)
     items_per_request: float = 1.0           # items a request carries on average (`simulate_quantised`)
     implicit_us: int = 0                     # the batcher's wait beyond its delay, as measured (`implicit_step`)
+    device_share: float = DEVICE_SHARE       # the share of an execution on the device (CPU_SHARE where it is the CPU)
 
 
 @dataclass(frozen=True)
@@ -1102,7 +1108,8 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     2 x 0us -> 2 x 500us -> 2 x 0us -> 2 x 2000us -> 2 x 0us, four full reloads, each serving its first requests
     800 ms late: a p99 of 734 ms over the run against 20 ms where the same model held 3 x 0us.
     """
-    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request, inputs.implicit_us)
+    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request, inputs.implicit_us,
+                               inputs.device_share)
     if live.instance_count not in model.fits:
         return fallback("too little data: no service curve measured for the live instance count yet", state)
     factor, raw = correction(state, now)
@@ -1416,7 +1423,8 @@ def _live_model(live: Settings, inputs: PlanInputs, state: PlannerState, device_
                 avg_batch: float, now: float) -> tuple[ServiceModel, float, DeviceShare | None] | None:
     """The service model, the correction factor and the device share that predictions around the live
     configuration use (as in `choose`); None without a measured curve for the live count."""
-    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request, inputs.implicit_us)
+    model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request, inputs.implicit_us,
+                               inputs.device_share)
     if live.instance_count not in model.fits:
         return None
     factor, _ = correction(state, now)

@@ -586,9 +586,12 @@ def decide_delay(obs: Observation, current: Settings, state: PolicyState, limits
 # ---- stage 4-5 by the planner's model ------------------------------------------------------------------
 
 def device_utilisation(obs: Observation) -> float | None:
-    """The busiest observed device's utilisation as a fraction, or None where no device reports one."""
+    """The busiest observed device's utilisation as a fraction; where the CPU is the model's device (`obs.cpu`,
+    cpu.py) the server's use of its usable cores; None where no device reports one."""
     u = [g.utilization_pct for g in obs.gpus if g.utilization_pct is not None]
-    return max(u) / 100.0 if u else None
+    if u:
+        return max(u) / 100.0
+    return obs.cpu.utilisation if obs.cpu is not None else None
 
 
 def observed_ok(obs: Observation, plan: "planner.Plan", inputs: PlanInputs, limits: ModelLimits, now: float) -> str | None:

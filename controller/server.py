@@ -199,13 +199,19 @@ def repository_of_argv(argv: list[str], cwd: Path | None) -> tuple[Path | None, 
     return path, ""
 
 
+def tritonserver_pid(port: int) -> int | None:
+    """The pid of the tritonserver listening on `port` on this machine (not one of its stubs, which inherit its
+    sockets), from Linux's /proc; None where none can be read (another user's, machine's or container's)."""
+    pids = [p for p in _port_pids(port) if _proc_text(p, "comm") == "tritonserver"]
+    return next((p for p in pids if _parent(p) not in pids), None)
+
+
 def served_repository(port: int) -> tuple[Path | None, str]:
     """The model repository of the tritonserver listening on `port` on this machine (its command line, from
     /proc), and where it came from; (None, why) where no such process can be read (another user's, another
     machine's, another container's) or its repository is not one folder here. `run` uses it where the config sets
     no `server.repository`."""
-    pids = [p for p in _port_pids(port) if _proc_text(p, "comm") == "tritonserver"]
-    pid = next((p for p in pids if _parent(p) not in pids), None)
+    pid = tritonserver_pid(port)
     if pid is None:
         return None, f"no tritonserver process this user can read listens on port {port}"
     try:

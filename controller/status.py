@@ -427,6 +427,19 @@ def _versions_line(versions: list[dict], instances: int | None) -> str:
     return text
 
 
+def _cpu_text(cpu: dict, name: str) -> str:
+    """The CPU as the model's device (cpu.py): how busy its usable cores were, the server's part of that, and this
+    model's part of the server's. Example: "the device: 2 usable cores 96% busy, 81% of it the server's processes;
+    this model's instances 100% of its models'"."""
+    text = f"the device: {cpu.get('cores', 0):.3g} usable cores {100 * cpu['util']:.0f}% busy"
+    if isinstance(cpu.get("server"), (int, float)):
+        text += f", {100 * cpu['server']:.0f}% of it the server's processes"
+    stubs = cpu.get("stubs") or {}
+    if isinstance(stubs.get(name), (int, float)):
+        text += f"; this model's instances {100 * stubs[name]:.0f}% of its models'"
+    return text
+
+
 def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) -> list[str]:
     """One aligned block per model (`models`: every model's block, for an ensemble's steps)."""
     ens = m.get("ensemble_steps") is not None
@@ -501,6 +514,9 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                 rows.append(("per request", f"queue {_num(o.get('queue_ms'), 2)} ms + compute {_num(o.get('compute_ms'), 2)} ms; "
                              f"busy {'?' if busy is None else f'{100 * busy:.0f}%'}{_busy_note(o)}, {_num(o.get('avg_batch'), 2)} "
                              + (f"items per batch, {_num(items, 2)} per request" if items else "per batch")))
+            cpu = o.get("cpu")
+            if isinstance(cpu, dict) and cpu.get("util") is not None and not ens:
+                rows.append(("cpu", _cpu_text(cpu, name)))
             svc = o.get("service")
             if svc and svc.get("alpha_ms") is not None:
                 jitter = o.get("jitter") or {}

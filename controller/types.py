@@ -10,6 +10,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # why: service.py imports Settings from here
+    from .cpu import CpuUse
     from .service import Jitter, ServiceFit
 
 
@@ -69,6 +70,7 @@ class Observation:
     busy_fraction: float = 0.0            # instance-seconds spent executing per second / instances
     busy_source: str = "requests"         # "batch_stats" (exact: observer) | "requests" (signals.busy_fraction: reads high)
     gpus: tuple[GpuObservation, ...] = ()
+    cpu: "CpuUse | None" = None           # where the CPU is this model's device (cpu.py): the server's CPU over the window
     placement: tuple[tuple[str, int], ...] = ()   # this model's live instances per device (groups.py keys: "gpu1", "cpu")
     service: "ServiceFit | None" = None   # compute time per execution vs batch size, of the live config
     jitter: "Jitter | None" = None        # ... and how much one execution varies around it (service.execution_jitter)

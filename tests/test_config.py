@@ -271,7 +271,7 @@ INVALID = [
         "max_delay_us, max_instances, memory_budget_mb, memory_headroom_pct, min_delay_us, min_gain_pct, "
         "min_instances, p99_target_ms, priority, scale_down_delay_s, scale_up_cooldown_s, sequence_scale_down"),
     bad("unknown-field-in-controller", {"controller": {"window": 20}},
-        "controller.window: unknown field; valid fields: decision_log, decision_log_max_mb, dry_run, failure_backoff_s, gpu, interval_s, "
+        "controller.window: unknown field; valid fields: cpu_device, decision_log, decision_log_max_mb, dry_run, failure_backoff_s, gpu, interval_s, "
         "log_files_kept, metrics_address, metrics_port, min_span_s, observation_log, owner_mark, owner_stale_after_s, planner, reload_timeout_s, repair, repair_after_s, repair_backoff_s, settle_s, simulated_device_memory_mb, trace_file, trace_samples_per_s, tracing, warm_start, warm_up, window_s"),
     bad("unknown-section", {"model": {"resnet_tiny": {}}},
         "model: unknown section; valid sections: controller, defaults, models, server"),

@@ -1,0 +1,288 @@
+"""The CPU as the device of the models that run on it, where no GPU (nor the simulated device) reports for them.
+
+Why: the planner's contention between instances comes from a device's utilisation (`planner.ServiceModel`: gamma
+= utilisation x the share of an execution on the device) and the device's load bounds what any count can carry
+(`planner.DeviceShare`). A model on the CPU had neither: gamma was `DEFAULT_CONTENTION` (0.1), so a second
+instance was predicted at ~1.8x the first's capacity and eight at ~4.7x, whatever the cores. Measured here (2
+cores, a user's torch MLP with torch's default threads, the shift day): at 237 req/s the planner scaled 1 -> 2
+instances predicting a p99 of 18.2 ms where one instance read 152 ms, and the two then measured a gamma of 1.00
+(each execution twice as long: no capacity gained); `status` put eight resnet_tiny instances at 4,019 req/s on the
+same two cores. The server's CPU use says how busy the cores are and which model uses them, as NVML does for a GPU.
+
+What is read (Linux's /proc, every tick, ~1 ms for ~70 processes): the busy time of the cores the server may run
+on (its CPU affinity; every process's, from /proc/stat: a load generator or another server on those cores contends
+as much as the model's own instances do), the CPU time (user + system) of the tritonserver process and of every
+process under it (the Python backend's stubs, one per instance), and each stub's model: the folder of the
+`model.py` its command line names (`<repository>/<model>/<version>/model.py`). Under a cgroup CPU quota smaller
+than the affinity (a container's limit) the quota's cores are the device and the server's own time its busy time
+(the host's other processes run outside the quota). Over a span:
+
+* utilisation = busy seconds / (span x usable cores): the device's busy fraction (`planner.ServiceModel`'s gamma);
+* a model's share = the server's part of the busy time x its stubs' share of every stub's CPU (the server process's
+  own work, its frontends and batchers, split as the stubs' is): its `device_fraction`, the rest of the busy time
+  being the device's other load (`planner.DeviceShare.others`).
+
+Example: 2 usable cores; over 10 s they were busy 18 s, the server's tree 14 of them, model A's stubs 9 and B's 3:
+utilisation 0.90; the server's part 0.78; A's share 0.78 x 0.75 = 0.58, B's 0.19.
+
+Not read: a server on another machine or in another container (its process is not visible here), a machine
+without /proc. Then a model on the CPU is planned as before (`planner.DEFAULT_CONTENTION`, no device bound).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("controller.cpu")
+
+STUB_NAME = "triton_python_backend_stub"
+KEPT_S = 200.0            # readings kept: longer than any observation window
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """Cumulative CPU seconds of each process of the server's tree at `t`, and the model of each stub among them."""
+    t: float
+    pid: int                          # the server's pid (a restarted server starts a new series)
+    cores: float                      # usable cores
+    per_pid: dict[int, float]
+    model_of: dict[int, str]          # stub pid -> its model
+    host_busy_s: float | None = None  # busy seconds of the cores the server may run on, every process's (/proc/stat);
+                                      # None under a CPU quota (the quota, not the cores, bounds the server then)
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """The CPU over a span, as a device: how busy its usable cores were, how much of that the server's processes
+    did, and each model's part of the server's."""
+    utilisation: float                # busy fraction of the usable cores (every process's; the server's under a quota)
+    cores: float
+    server: float                     # the server's process tree's part of that busy time (1.0 under a quota)
+    stubs: dict[str, float]           # model -> its stubs' share of every stub's CPU ({}: no stub ran, in-process)
+    span_s: float
+
+    def share(self, model: str) -> float | None:
+        """The model's part of the device's busy time: its stubs' share of the server's part (the server process's
+        own work, its frontends and batchers, split as the stubs' is); None where no stub says (in-process
+        backends). Example: the cores 90% busy, the server 80% of that, model A's stubs 75% of every stub's CPU:
+        0.8 x 0.75 = 0.6 (the other 0.4: model B's 0.2, a load generator's 0.2)."""
+        return self.server * self.stubs[model] if model in self.stubs else None
+
+
+def usable_cores(pid: int, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> float:
+    """The cores `pid` may run on: its affinity's size, within its cgroup's CPU quota where one is set (cgroup v2
+    `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`). Example: affinity {0..7}, cpu.max "200000 100000": 2.0."""
+    try:
+        cores = float(len(os.sched_getaffinity(pid)))
+    except OSError:
+        cores = float(os.cpu_count() or 1)
+    quota = _cgroup_quota(pid, proc, cgroup_root)
+    return max(0.1, min(cores, quota)) if quota is not None else max(1.0, cores)
+
+
+def _cgroup_quota(pid: int, proc: Path, root: Path) -> float | None:
+    try:
+        lines = (proc / str(pid) / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, rel = parts[1], parts[2].lstrip("/")
+        if controllers == "":                                  # v2: "0::/path"
+            candidates = [(root / rel / "cpu.max", None), (root / "cpu.max", None)]
+        elif "cpu" in controllers.split(","):                  # v1: "4:cpu,cpuacct:/path"
+            base = root / controllers if (root / controllers).is_dir() else root / "cpu"
+            candidates = [(base / rel / "cpu.cfs_quota_us", base / rel / "cpu.cfs_period_us"),
+                          (base / "cpu.cfs_quota_us", base / "cpu.cfs_period_us")]
+        else:
+            continue
+        for quota_file, period_file in candidates:
+            try:
+                if period_file is None:
+                    q, p = quota_file.read_text().split()[:2]
+                else:
+                    q, p = quota_file.read_text().strip(), period_file.read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if q in ("max", "-1"):
+                break
+            try:
+                if float(p) > 0 and float(q) > 0:
+                    return float(q) / float(p)
+            except ValueError:
+                pass
+            break
+    return None
+
+
+def _stat(proc: Path, pid: str) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) from /proc/<pid>/stat; None where it cannot be read."""
+    try:
+        raw = (proc / pid / "stat").read_bytes().decode(errors="replace")
+        fields = raw.rsplit(")", 1)[1].split()
+        # why: after the name's ")", field 3 (state) is fields[0]; ppid fields[1]; utime, stime fields[11], fields[12]
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_CLK_TCK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
+def stub_model(argv: list[str]) -> str | None:
+    """The model a Python backend stub serves, from its command line: the folder of the `model.py` (any .py) it
+    names, `<repository>/<model>/<version>/model.py`. Example: [".../triton_python_backend_stub",
+    "/models/mlp/1/model.py", "shm", ...] -> "mlp"; another process -> None."""
+    if not argv or not argv[0].endswith(STUB_NAME) or len(argv) < 2 or not argv[1].endswith(".py"):
+        return None
+    parts = Path(argv[1]).parts
+    return parts[-3] if len(parts) >= 3 else None
+
+
+class ServerCpu:
+    """Reads the CPU time of one tritonserver's process tree (see the module's doc). `find_pid` says which server:
+    called at the first read and again whenever that process is gone (a restarted server), at most once per
+    `retry_s` while none is found."""
+
+    def __init__(self, find_pid: Callable[[], int | None], proc: Path = Path("/proc"),
+                 cgroup_root: Path = Path("/sys/fs/cgroup"), retry_s: float = 30.0):
+        self.find_pid = find_pid
+        self.proc, self.cgroup_root, self.retry_s = proc, cgroup_root, retry_s
+        self.pid: int | None = None
+        self.cores = 1.0
+        self.cpus: frozenset[int] | None = None       # the server's affinity, where no quota bounds it
+        self._looked_at = None
+        self._models: dict[int, str | None] = {}     # pid -> model, or None for a process that is not a stub
+
+    def read(self, now: float) -> CpuReading | None:
+        if self.pid is None or not (self.proc / str(self.pid)).exists():
+            if self._looked_at is not None and now - self._looked_at < self.retry_s:
+                return None
+            self._looked_at = now
+            pid = self.find_pid()
+            if pid is None:
+                if self.pid is not None:
+                    log.info("the server's process is gone; its CPU is not read until one is found")
+                self.pid = None
+                return None
+            if pid != self.pid:
+                self.cores = usable_cores(pid, self.proc, self.cgroup_root)
+                quota = _cgroup_quota(pid, self.proc, self.cgroup_root)
+                try:
+                    affinity = frozenset(os.sched_getaffinity(pid))
+                except OSError:
+                    affinity = frozenset()
+                self.cpus = affinity if affinity and (quota is None or quota >= len(affinity)) else None
+                log.info("CPU: reading tritonserver pid %d and its stubs, %.3g usable cores (%s)", pid, self.cores,
+                         "busy time of every process on them" if self.cpus else "its CPU quota")
+            self.pid, self._models = pid, {}
+        tree = self._tree(self.pid)
+        if tree is None:
+            return None
+        models = {pid: m for pid in tree if (m := self._model(pid)) is not None}
+        return CpuReading(now, self.pid, self.cores, tree, models, self._host_busy())
+
+    def _host_busy(self) -> float | None:
+        """Busy seconds of the server's cores since boot, every process's: /proc/stat's per-CPU lines, user + nice +
+        system + irq + softirq + steal (steal: the hypervisor kept the core). None under a quota or unreadable."""
+        if not self.cpus:
+            return None
+        try:
+            lines = (self.proc / "stat").read_text().splitlines()
+        except OSError:
+            return None
+        busy, seen = 0.0, 0
+        for line in lines:
+            name, _, rest = line.partition(" ")
+            if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in self.cpus:
+                continue
+            try:
+                f = [int(x) for x in rest.split()[:8]]
+            except ValueError:
+                return None
+            f += [0] * (8 - len(f))
+            busy += f[0] + f[1] + f[2] + f[5] + f[6] + f[7]
+            seen += 1
+        return busy / _CLK_TCK if seen else None
+
+    def _tree(self, root: int) -> dict[int, float] | None:
+        """CPU seconds of `root` and every process under it; None where `root` cannot be read."""
+        stats: dict[int, tuple[int, float]] = {}
+        try:
+            entries = [e.name for e in os.scandir(self.proc) if e.name.isdigit()]
+        except OSError:
+            return None
+        for name in entries:
+            s = _stat(self.proc, name)
+            if s is not None:
+                stats[int(name)] = s
+        if root not in stats:
+            return None
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in stats.items():
+            children.setdefault(ppid, []).append(pid)
+        out, todo = {}, [root]
+        while todo:
+            pid = todo.pop()
+            if pid in out:
+                continue
+            out[pid] = stats[pid][1]
+            todo.extend(children.get(pid, ()))
+        self._models = {p: m for p, m in self._models.items() if p in out}
+        return out
+
+    def _model(self, pid: int) -> str | None:
+        if pid not in self._models:
+            try:
+                argv = (self.proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                argv = []
+            self._models[pid] = stub_model(argv)
+        return self._models[pid]
+
+
+class CpuSeries:
+    """The last KEPT_S of readings, and the CPU use over any span of them (`span`)."""
+
+    def __init__(self) -> None:
+        self.readings: deque[CpuReading] = deque()
+
+    def add(self, reading: CpuReading | None) -> None:
+        if reading is None:
+            return
+        self.readings.append(reading)
+        while self.readings and self.readings[0].t < reading.t - KEPT_S:
+            self.readings.popleft()
+
+    def span(self, since: float, now: float) -> CpuUse | None:
+        """The use between the first reading at or after `since` and the last at or before `now`, over one server
+        process (a restart between: from the restart on). A process counted at both ends adds its growth; one that
+        started in between (a new instance's stub) adds all its time; one that ended in between adds nothing (its
+        time after the first reading is lost with it: a little under, never over). None with less than 2 s between
+        the readings."""
+        rows = [r for r in self.readings if since - 1e-6 <= r.t <= now + 1e-6]
+        if len(rows) < 2:
+            return None
+        last = rows[-1]
+        first = next(r for r in rows if r.pid == last.pid)
+        dt = last.t - first.t
+        if dt < 2.0 or last.cores <= 0:
+            return None
+        grew = {pid: max(0.0, s - first.per_pid.get(pid, 0.0)) for pid, s in last.per_pid.items()}
+        models: dict[str, float] = {}
+        for pid, m in last.model_of.items():
+            models[m] = models.get(m, 0.0) + grew.get(pid, 0.0)
+        stubs = sum(models.values())
+        server = sum(grew.values())
+        busy = server
+        if first.host_busy_s is not None and last.host_busy_s is not None:
+            busy = max(server, last.host_busy_s - first.host_busy_s)   # why max: the two are read a moment apart
+        util = busy / (dt * last.cores)
+        shares = {m: s / stubs for m, s in models.items()} if stubs > 0 else {}
+        return CpuUse(min(1.0, util), last.cores, server / busy if busy > 0 else 1.0, shares, dt)
