@@ -5,8 +5,8 @@ Why: the planner's contention between instances comes from a device's utilisatio
 (`planner.DeviceShare`). A model on the CPU had neither: gamma was `DEFAULT_CONTENTION` (0.1), so a second
 instance was predicted at ~1.8x the first's capacity and eight at ~4.7x, whatever the cores. Measured here (2
 cores, a user's torch MLP with torch's default threads, the shift day): at 237 req/s the planner scaled 1 -> 2
-instances predicting a p99 of 18.2 ms where one instance read 152 ms, and the two then measured a gamma of 1.00
-(each execution twice as long: no capacity gained); `status` put eight resnet_tiny instances at 4,019 req/s on the
+instances predicting a p99 of 18.2 ms where one instance read 152 ms, and the two then measured a gamma of 1.00,
+the cap (each execution ~5x as long: 2 x 2 torch threads on 2 cores); `status` put eight resnet_tiny instances at 4,019 req/s on the
 same two cores. The server's CPU use says how busy the cores are and which model uses them, as NVML does for a GPU.
 
 What is read (Linux's /proc, every tick, ~1 ms for ~70 processes): the busy time of the cores the server may run

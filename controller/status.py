@@ -268,7 +268,9 @@ def _warm_up_text(w: dict) -> str:
     state = w.get("state")
     if state == "waiting":
         return ("to be added by the controller (Triton's model_warmup, a full reload at the live settings) at a quiet "
-                "tick with no other reload in flight and room for a second copy")
+                f"tick with its instances at most {warmup.BUSY_MAX:.0%} busy (or after {warmup.WAIT_MAX_S / 60:g} minutes of "
+                "waiting), no other reload in flight "
+                "and room for a second copy")
     if state == "reloading":
         return f"adding Triton's model_warmup ({w.get('detail')}): a full reload in flight"
     if state == "failed":

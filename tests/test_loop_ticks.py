@@ -906,3 +906,32 @@ def test_a_model_read_cold_is_warmed_up_once_at_a_quiet_tick(case, caplog, monke
         # what a controller that adds warm-ups would show meanwhile: one to come
         assert loop_mod.warm_up_status(mm, on=True) == {"state": "waiting", "detail": None, "live": False}
     ctl.close()
+
+
+def test_a_warm_up_waits_for_a_light_tick_or_five_minutes():
+    """The warm-up's full reload is housekeeping: where the instances are busier than `warmup.BUSY_MAX` it waits
+    for a lighter tick, and goes anyway once it has waited `warmup.WAIT_MAX_S` (a model always that busy)."""
+    from controller import warmup
+    for light_at in (30, None):
+        clock = Clock()
+        busy = FakeModel(200, 5, 4)                     # 200 req/s x 4 ms: 80% busy (the request counters' figure)
+        ctl, control, _ = make(["m"], {"m": busy}, clock, loop=dataclasses.replace(LOOP, warm_up=True))
+        control.configs["m"]["input"] = [{"name": "INPUT", "data_type": "TYPE_FP32", "dims": ["16"]}]
+        run_ticks(ctl, clock, 1)
+        mm = ctl.models["m"]
+        mm.observer.service.cold_start = lambda: COLD
+        start, reasons = clock.t, []
+        while clock.t - start < warmup.WAIT_MAX_S + 20 and loop_mod.WARM_UP not in reasons:
+            if light_at is not None and clock.t - start >= light_at:
+                busy.rps = 50                               # 20% busy
+            run_ticks(ctl, clock, 1)
+            ctl.wait_for_pending()
+            reasons.append(mm.last_reason)
+        waited = clock.t - start
+        assert loop_mod.WARM_UP in reasons and mm.last_obs is not None
+        if light_at is not None:
+            assert light_at <= waited <= light_at + 10, waited     # the window's busy figure falls within seconds
+        else:
+            assert warmup.WAIT_MAX_S <= waited <= warmup.WAIT_MAX_S + 10, waited   # + the start's gates
+        assert warmup.ours(control.configs["m"]) and control.loads == [("m", Settings(1, 0))]
+        ctl.close()

@@ -112,7 +112,8 @@ def test_status_says_what_warms_the_model_and_why_not():
     assert rows["cold start"].endswith("9.0 ms after them: the controller is adding a warm-up (below); until then every "
                                        "instance a reload starts serves its first requests slowly")
     assert rows["warm-up"] == ("to be added by the controller (Triton's model_warmup, a full reload at the live "
-                               "settings) at a quiet tick with no other reload in flight and room for a second copy")
+                               "settings) at a quiet tick with its instances at most 50% busy (or after 5 minutes of waiting), "
+                               "no other reload in flight and room for a second copy")
     rows = _rows(dict(SEEN, warm_up={"state": "added", "detail": "zero data at batch size(s) 1-8", "live": False}))
     assert rows["warm-up"] == ("added by the controller (zero data at batch size(s) 1-8), since gone from the live "
                                "config: not added again")
