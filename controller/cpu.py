@@ -25,6 +25,10 @@ than the affinity (a container's limit) the quota's cores are the device and the
 Example: 2 usable cores; over 10 s they were busy 18 s, the server's tree 14 of them, model A's stubs 9 and B's 3:
 utilisation 0.90; the server's part 0.78; A's share 0.78 x 0.75 = 0.58, B's 0.19.
 
+Only for a model whose executions run on the CPU (`CpuUse.runs_on_cpu`): its stubs use at least CPU_BOUND_MIN
+cores per instance executing, or it has no stub (a backend inside the server process). A Python model that waits
+on something else (the simulated accelerator sleeps; a BLS caller waits on its callee) keeps no device, as before.
+
 Not read: a server on another machine or in another container (its process is not visible here), a machine
 without /proc. Then a model on the CPU is planned as before (`planner.DEFAULT_CONTENTION`, no device bound).
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +45,8 @@ log = logging.getLogger("controller.cpu")
 
 STUB_NAME = "triton_python_backend_stub"
 KEPT_S = 200.0            # readings kept: longer than any observation window
+CPU_BOUND_MIN = 0.3       # cores a model's stubs use per instance executing, at least, for the CPU to be its device
+MIN_BUSY_INSTANCES = 0.05  # ... read over a span where its instances executed at least this much (instance-s per s)
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,22 @@ class CpuUse:
     server: float                     # the server's process tree's part of that busy time (1.0 under a quota)
     stubs: dict[str, float]           # model -> its stubs' share of every stub's CPU ({}: no stub ran, in-process)
     span_s: float
+    stub_cores: dict[str, float] = field(default_factory=dict)   # model -> cores its stubs used over the span
+
+    def runs_on_cpu(self, model: str, busy_instances: float) -> bool:
+        """Whether the CPU is where `model`'s executions run: its stubs used at least CPU_BOUND_MIN cores per instance
+        executing (`busy_instances`: the instances' busy fraction x their count), read where they executed at least
+        MIN_BUSY_INSTANCES; a model with no stub of its own (a backend inside the server process: its work is the
+        server's) is taken as on the CPU. Why: a Python model whose executions wait on something else (the
+        simulated accelerator's sleeps: ~0.05 cores per executing instance; a BLS caller waiting on its callee)
+        does not contend for the cores, and the cores' busy time from other processes (another server, a load
+        generator) would read as its device's load. Example: resnet_tiny 0.82 busy on one instance, its stub 0.80
+        cores: 0.98, on the CPU; sim_accel 0.9 busy on two instances, its stubs 0.09 cores: 0.05, not."""
+        if model not in self.stub_cores:
+            return True
+        if busy_instances < MIN_BUSY_INSTANCES:
+            return False
+        return self.stub_cores[model] / busy_instances >= CPU_BOUND_MIN
 
     def share(self, model: str) -> float | None:
         """The model's part of the device's busy time: its stubs' share of the server's part (the server process's
@@ -285,4 +307,5 @@ class CpuSeries:
             busy = max(server, last.host_busy_s - first.host_busy_s)   # why max: the two are read a moment apart
         util = busy / (dt * last.cores)
         shares = {m: s / stubs for m, s in models.items()} if stubs > 0 else {}
-        return CpuUse(min(1.0, util), last.cores, server / busy if busy > 0 else 1.0, shares, dt)
+        return CpuUse(min(1.0, util), last.cores, server / busy if busy > 0 else 1.0, shares, dt,
+                      {m: s / dt for m, s in models.items()})

@@ -217,7 +217,9 @@ class ModelObserver:
         if obs.valid and devices:
             obs = dataclasses.replace(obs, gpus=self._window_utilisation(devices, obs.since, now))
         elif obs.valid and cpu is not None:
-            obs = dataclasses.replace(obs, cpu=cpu.span(obs.since, now))
+            use = cpu.span(obs.since, now)
+            if use is not None and use.runs_on_cpu(self.name, obs.busy_fraction * live.instance_count):
+                obs = dataclasses.replace(obs, cpu=use)
         quiet = self._quiet_minute(now, live)      # read once a tick, for the tail ratio and the tail check
         self._calibrate_tail(quiet)
         traced = self.traces.summary(now, now - obs.since, since=obs.since) if obs.valid else None

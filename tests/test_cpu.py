@@ -191,6 +191,18 @@ def test_the_cpus_other_load_stays_outside_the_models_share():
     assert alone.load(200.0, 1.0) == pytest.approx(1.8)
 
 
+def test_the_cpu_is_the_device_of_a_model_whose_executions_use_it():
+    """`CpuUse.runs_on_cpu`: resnet_tiny's stub 0.80 cores while its one instance is 0.82 busy: on the CPU; the
+    simulated accelerator's stubs 0.09 cores over two instances 0.9 busy (they sleep): not; an in-process backend (no
+    stub): on the CPU; a model that barely ran: not known, not taken."""
+    use = CpuUse(0.6, 2.0, 0.9, {"resnet_tiny": 0.9, "sim_accel": 0.1}, 10.0,
+                 {"resnet_tiny": 0.80, "sim_accel": 0.09})
+    assert use.runs_on_cpu("resnet_tiny", 0.82)
+    assert not use.runs_on_cpu("sim_accel", 2 * 0.9)
+    assert use.runs_on_cpu("onnx_model", 0.5)
+    assert not use.runs_on_cpu("resnet_tiny", 0.01)
+
+
 def test_cpu_use_share_is_the_servers_part_times_the_stubs():
     use = CpuUse(0.9, 2.0, 0.8, {"a": 0.75, "b": 0.25}, 10.0)
     assert use.share("a") == pytest.approx(0.6) and use.share("b") == pytest.approx(0.2)
@@ -222,10 +234,11 @@ def test_the_loop_gives_a_cpu_model_the_cpu_as_its_device_and_only_without_a_gpu
 
     def make(gpu=None):
         clock = Clock()
-        fakes = {"a": FakeModel(100.0, 10.0, 5.0), "b": FakeModel(50.0, 10.0, 5.0)}
-        cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={"a": HOT, "b": HOT})
-        ctl = Controller(cfg, control=FakeControl(["a", "b"]), scraper=FakeScraper(clock, fakes), clock=clock,
-                         cpu=FakeCpu({"a": 0.9, "b": 0.3}, server_cores=0.2, other_cores=0.4), gpu=gpu)
+        # s: 180 req/s x 5 ms, 0.9 busy, its stub 0.02 cores (it waits on something else: not on the CPU)
+        fakes = {"a": FakeModel(100.0, 10.0, 5.0), "b": FakeModel(50.0, 10.0, 5.0), "s": FakeModel(180.0, 10.0, 5.0)}
+        cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={"a": HOT, "b": HOT, "s": HOT})
+        ctl = Controller(cfg, control=FakeControl(["a", "b", "s"]), scraper=FakeScraper(clock, fakes), clock=clock,
+                         cpu=FakeCpu({"a": 0.9, "b": 0.3, "s": 0.02}, server_cores=0.18, other_cores=0.4), gpu=gpu)
         return ctl, clock
 
     ctl, clock = make()
@@ -233,17 +246,20 @@ def test_the_loop_gives_a_cpu_model_the_cpu_as_its_device_and_only_without_a_gpu
     a = ctl.models["a"]
     use = a.last_obs.cpu
     assert use is not None
-    assert use.utilisation == pytest.approx(1.8 / 2.0)            # 0.9 + 0.3 + 0.2 + a load generator's 0.4
+    assert use.utilisation == pytest.approx(1.8 / 2.0)            # 0.9 + 0.3 + 0.02 + 0.18 + a load generator's 0.4
     assert use.server == pytest.approx(1.4 / 1.8)
-    assert use.stubs == pytest.approx({"a": 0.75, "b": 0.25})
-    assert ctl._device_fraction(a, a.last_obs) == pytest.approx(1.4 / 1.8 * 0.75)
+    assert use.stubs == pytest.approx({"a": 0.9 / 1.22, "b": 0.3 / 1.22, "s": 0.02 / 1.22})
+    assert ctl._device_fraction(a, a.last_obs) == pytest.approx(1.4 / 1.8 * 0.9 / 1.22)
     assert a.plan_inputs.device_share == CPU_SHARE
     logged = summarize_obs(a.last_obs)["cpu"]
-    assert logged == {"util": 0.9, "cores": 2.0, "server": 0.778, "stubs": {"a": 0.75, "b": 0.25}}
+    assert logged == {"util": 0.9, "cores": 2.0, "server": 0.778, "stubs": {"a": 0.738, "b": 0.246, "s": 0.016}}
     snap = ctl.status_snapshot()["models"]["a"]
     text = "\n".join(format_model("a", snap))
     assert "cpu          the device: 2 usable cores 90% busy, 78% of it the server's processes; " \
-           "this model's instances 75% of its models'" in text
+           "this model's instances 74% of its models'" in text
+    s = ctl.models["s"]                                            # busy on something else: no device, as before
+    assert s.last_obs.valid and s.last_obs.cpu is None and s.plan_inputs.device_share == DEVICE_SHARE
+    assert ctl._device_fraction(s, s.last_obs) is None
 
     gpu = FakeGpuSource([(GpuObservation(0, 40.0, 1 << 30, 8 << 30),)])
     ctl, clock = make(gpu=gpu)
@@ -256,7 +272,8 @@ def test_the_loop_gives_a_cpu_model_the_cpu_as_its_device_and_only_without_a_gpu
 def test_the_cpu_of_a_real_server_and_its_stubs(server):
     """A real tritonserver: found by its gRPC port (as the controller finds one it did not start), its stubs named
     by model, and under load on resnet_tiny (a torch model computing on the CPU) the cores' busy time is mostly
-    the server's and the stubs' CPU mostly resnet_tiny's, not sim_accel's (whose device is simulated: it sleeps)."""
+    the server's and the stubs' CPU mostly resnet_tiny's, not sim_accel's (whose device is simulated: it sleeps), and
+    only resnet_tiny's executions read as run on the CPU."""
     import threading
     import time
 
@@ -272,14 +289,22 @@ def test_the_cpu_of_a_real_server_and_its_stubs(server):
     series = CpuSeries()
     series.add(first)
     load = threading.Thread(target=open_loop, args=(server, "resnet_tiny", 150.0, 4.0, 3))
+    sim = threading.Thread(target=open_loop, args=(server, "sim_accel", 100.0, 4.0, 4))
     load.start()
+    sim.start()
     t0 = time.monotonic()
-    while load.is_alive():
+    while load.is_alive() or sim.is_alive():
         time.sleep(1.0)
         series.add(reader.read(time.monotonic()))
     load.join()
+    sim.join()
     use = series.span(t0 - 1.0, time.monotonic())
     assert use is not None and use.span_s >= 3.0
     assert 0.05 < use.utilisation <= 1.0
     assert 0.3 < use.server <= 1.0
-    assert use.stubs["resnet_tiny"] > 0.8 and use.stubs.get("sim_accel", 0.0) < 0.2
+    assert use.stubs["resnet_tiny"] > 0.6 and use.stubs["sim_accel"] < 0.3
+    # 150 req/s keep resnet_tiny's instance ~0.35 busy and its stub ~0.27 cores (measured here): on the CPU;
+    # sim_accel at 100 req/s keeps its instance 0.5-0.8 busy mostly sleeping, its stub ~0.03 cores: not
+    print("stub cores", use.stub_cores, "utilisation", use.utilisation, "server", use.server)
+    assert use.stub_cores["resnet_tiny"] > 0.1 and use.runs_on_cpu("resnet_tiny", 0.35)
+    assert use.stub_cores["sim_accel"] < 0.1 and not use.runs_on_cpu("sim_accel", 0.5)
