@@ -392,9 +392,10 @@ class ServiceModel:
     with one count measured it comes from the device's utilisation u instead: gamma = u * 0.5 (a new
     execution finds the device busy a fraction u of the time, and about half of an execution runs
     on the device; where the device is the CPU, `CPU_SHARE`: all of it, gamma = u), and
-    `DEFAULT_CONTENTION` without a utilisation reading. Example: a torch model on 2 cores whose one instance
-    keeps the server's tree 96% busy: gamma 0.96, two instances each ~1.96x as slow, no capacity gained
-    (measured: 1.00); the default 0.1 had predicted 1.8x.
+    `DEFAULT_CONTENTION` without a utilisation reading. Example: the torch MLP of scripts/scenarios/repos/cpu_mlp,
+    one instance keeping the 2 cores 67% busy: gamma 0.67, two instances each 1.67x as slow (1.2x one's capacity,
+    where the default 0.1 said 1.8x); they measured 1.00, the cap (each execution ~5x as long: 2 x 2 torch threads
+    on 2 cores, an oversubscription no utilisation shows).
 
     Example: 2 instances measured at s(1) = 8.0 ms, 4 instances at 10.4 ms: r = 1.3 = (1 + 3g) /
     (1 + g) -> g = 0.3 / 1.7 = 0.176. Six instances are then predicted at s_4(b) * (1 + 5g) / (1 + 3g)
