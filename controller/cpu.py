@@ -98,11 +98,19 @@ class CpuUse:
 def usable_cores(pid: int, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> float:
     """The cores `pid` may run on: its affinity's size, within its cgroup's CPU quota where one is set (cgroup v2
     `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`). Example: affinity {0..7}, cpu.max "200000 100000": 2.0."""
+    return _usable(_affinity(pid), _cgroup_quota(pid, proc, cgroup_root))
+
+
+def _affinity(pid: int) -> frozenset[int]:
     try:
-        cores = float(len(os.sched_getaffinity(pid)))
+        return frozenset(os.sched_getaffinity(pid))
     except OSError:
-        cores = float(os.cpu_count() or 1)
-    quota = _cgroup_quota(pid, proc, cgroup_root)
+        return frozenset()
+
+
+def _usable(affinity: frozenset[int], quota: float | None) -> float:
+    """`usable_cores` from the affinity (empty: unknown, the machine's count) and the quota (None: none set)."""
+    cores = float(len(affinity)) if affinity else float(os.cpu_count() or 1)
     return max(0.1, min(cores, quota)) if quota is not None else max(1.0, cores)
 
 
@@ -194,12 +202,8 @@ class ServerCpu:
                 self.pid = None
                 return None
             if pid != self.pid:
-                self.cores = usable_cores(pid, self.proc, self.cgroup_root)
-                quota = _cgroup_quota(pid, self.proc, self.cgroup_root)
-                try:
-                    affinity = frozenset(os.sched_getaffinity(pid))
-                except OSError:
-                    affinity = frozenset()
+                affinity, quota = _affinity(pid), _cgroup_quota(pid, self.proc, self.cgroup_root)
+                self.cores = _usable(affinity, quota)
                 self.cpus = affinity if affinity and (quota is None or quota >= len(affinity)) else None
                 log.info("CPU: reading tritonserver pid %d and its stubs, %.3g usable cores (%s)", pid, self.cores,
                          "busy time of every process on them" if self.cpus else "its CPU quota")
