@@ -286,6 +286,12 @@ class CpuSeries:
         while self.readings and self.readings[0].t < reading.t - KEPT_S:
             self.readings.popleft()
 
+    def stub_pids(self, model: str) -> frozenset[int]:
+        """The pids of `model`'s Python stubs in the latest reading (none read: empty)."""
+        if not self.readings:
+            return frozenset()
+        return frozenset(pid for pid, m in self.readings[-1].model_of.items() if m == model)
+
     def span(self, since: float, now: float) -> CpuUse | None:
         """The use between the first reading at or after `since` and the last at or before `now`, over one server
         process (a restart between: from the restart on). A process counted at both ends adds its growth; one that

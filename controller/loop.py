@@ -685,13 +685,40 @@ class Controller:
         self._gpu_failing = False
         return devices
 
-    def _cpu_device(self, devices: tuple[GpuObservation, ...]) -> CpuSeries | None:
-        """The server's CPU readings where the CPU is a model's device: no device reports for it this tick and no
-        GPU is read at all (no NVML, or `gpu: none`: a model on a GPU machine that one GPU read missed is not taken
-        for a CPU model); None otherwise (cpu.py)."""
-        if self.cpu is None or devices or not isinstance(self.gpu, NullSource):
+    def _model_devices(self, mm: ManagedModel, devices: tuple[GpuObservation, ...]) -> tuple[GpuObservation, ...]:
+        """Of the GPUs read (NVML's), those `mm`'s instances run on, from its live instance groups (`mm.per_device`):
+        a group on GPUs k reads GPUs k; a KIND_CPU group none, unless the model's own processes (its Python stubs,
+        cpu.py) hold memory on a GPU in NVML's process lists (a Python model that moves its work to a GPU itself);
+        where the GPUs are not known (`KIND_MODEL`, a GPU group with no ids) or the ids match none read (a server
+        under CUDA_VISIBLE_DEVICES numbers its GPUs from 0, NVML does not), every GPU, as before.
+
+        Why: each model read every GPU, so a KIND_CPU model on a GPU machine (an ensemble's pre-processing step)
+        took a GPU's utilisation for its contention and that GPU's memory for its budget (another model filling the
+        GPU held its scale-ups), and a model on gpu1 took gpu0's load as its own. Example: GPUs 0 and 1 read, the
+        model's groups on gpu1 and the CPU, its stubs in no process list: gpu1 only."""
+        if not devices or not mm.per_device:
+            return devices
+        if any(groups.gpu_index(d) is None and d != "cpu" for d in mm.per_device):
+            return devices                                    # "gpu" (ids not known), "model", "auto"
+        ids = {groups.gpu_index(d) for d in mm.per_device} - {None}
+        mine = [g for g in devices if g.index in ids]
+        if ids and not mine:
+            return devices
+        if "cpu" in mm.per_device:
+            stubs = self.cpu_series.stub_pids(mm.name)
+            mine += [g for g in devices if g.index not in ids and any(pid in stubs for pid, _ in g.process_memory_bytes)]
+        return tuple(sorted(mine, key=lambda g: g.index))
+
+    def _cpu_device(self, mm: ManagedModel, devices: tuple[GpuObservation, ...]) -> CpuSeries | None:
+        """The server's CPU readings where the CPU is `mm`'s device: no device reports for it this tick (`devices`:
+        its own, `_model_devices`), and either no GPU is read at all (no NVML, or `gpu: none`) or its instance
+        groups are on the CPU alone (a model on a GPU that one GPU read missed is not taken for a CPU model); None
+        otherwise (cpu.py)."""
+        if self.cpu is None or devices:
             return None
-        return self.cpu_series
+        if isinstance(self.gpu, NullSource) or set(mm.per_device) == {"cpu"}:
+            return self.cpu_series
+        return None
 
     def _decide_model(self, mm: ManagedModel, scraped: dict[str, ModelCounters] | None,
                       stats: dict[str, StatsCounters] | None, devices, now: float) -> tuple[Decision, Observation] | None:
@@ -713,9 +740,11 @@ class Controller:
                              Observation(valid=False, invalid_reason="server_unreachable"), now, "hold")
             return None
         mm.observer.add_scrape(now, counters, None if stats is None else stats.get(mm.name), mm.current)
-        on_device = not self._simulating or self.simulated.hosts(counters)
-        cpu = self._cpu_device(devices if on_device else ())
-        obs = mm.observer.observe(now, mm.current, devices if on_device else (), mm.batch_limit, cpu)
+        if self._simulating:      # the simulated device's models are those that report on it
+            devices = devices if self.simulated.hosts(counters) else ()
+        else:
+            devices = self._model_devices(mm, devices)
+        obs = mm.observer.observe(now, mm.current, devices, mm.batch_limit, self._cpu_device(mm, devices))
         if obs.valid and mm.per_device:
             obs = dataclasses.replace(obs, placement=tuple(mm.per_device.items()))
         if obs.valid and warmup.has_warmup(mm.live_config):

@@ -224,7 +224,7 @@ class FakeCpu:
 def test_the_loop_gives_a_cpu_model_the_cpu_as_its_device_and_only_without_a_gpu():
     """Without a GPU: the observation carries the CPU over its window, the planner's inputs the CPU's share of an
     execution and the model's part of the busy cores; the observation log and `status` show it. With a GPU read
-    (NVML's source), the CPU is no model's device."""
+    (NVML's source), the CPU is the device of a model on the CPU alone, not of one on the GPU."""
     from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, HOT, run_ticks
     from controller.config import ControllerConfig, ServerConfig
     from controller.gpu import FakeGpuSource
@@ -237,7 +237,10 @@ def test_the_loop_gives_a_cpu_model_the_cpu_as_its_device_and_only_without_a_gpu
         # s: 180 req/s x 5 ms, 0.9 busy, its stub 0.02 cores (it waits on something else: not on the CPU)
         fakes = {"a": FakeModel(100.0, 10.0, 5.0), "b": FakeModel(50.0, 10.0, 5.0), "s": FakeModel(180.0, 10.0, 5.0)}
         cfg = ControllerConfig(server=ServerConfig(), loop=LOOP, models={"a": HOT, "b": HOT, "s": HOT})
-        ctl = Controller(cfg, control=FakeControl(["a", "b", "s"]), scraper=FakeScraper(clock, fakes), clock=clock,
+        control = FakeControl(["a", "b", "s"])
+        if gpu is not None:
+            control.configs["a"]["instance_group"] = [{"count": 1, "kind": "KIND_GPU", "gpus": [0]}]
+        ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock,
                          cpu=FakeCpu({"a": 0.9, "b": 0.3, "s": 0.02}, server_cores=0.18, other_cores=0.4), gpu=gpu)
         return ctl, clock
 
@@ -264,9 +267,11 @@ def test_the_loop_gives_a_cpu_model_the_cpu_as_its_device_and_only_without_a_gpu
     gpu = FakeGpuSource([(GpuObservation(0, 40.0, 1 << 30, 8 << 30),)])
     ctl, clock = make(gpu=gpu)
     run_ticks(ctl, clock, 8)
-    a = ctl.models["a"]
-    assert a.last_obs.cpu is None and a.plan_inputs.device_share == DEVICE_SHARE
+    a, b = ctl.models["a"], ctl.models["b"]
+    assert a.last_obs.cpu is None and a.plan_inputs.device_share == DEVICE_SHARE       # on gpu0
+    assert [g.index for g in a.last_obs.gpus] == [0]
     assert "cpu " not in "\n".join(format_model("a", ctl.status_snapshot()["models"]["a"]))
+    assert b.last_obs.cpu is not None and b.last_obs.gpus == () and b.plan_inputs.device_share == CPU_SHARE
 
 
 def test_the_cpu_of_a_real_server_and_its_stubs(server):
@@ -308,3 +313,40 @@ def test_the_cpu_of_a_real_server_and_its_stubs(server):
     print("stub cores", use.stub_cores, "utilisation", use.utilisation, "server", use.server)
     assert use.stub_cores["resnet_tiny"] > 0.1 and use.runs_on_cpu("resnet_tiny", 0.35)
     assert use.stub_cores["sim_accel"] < 0.1 and not use.runs_on_cpu("sim_accel", 0.5)
+
+
+def test_each_model_reads_the_gpus_its_instances_are_on():
+    """A model reads the GPUs its live instance groups are on (`Controller._model_devices`): a group on gpu1 reads
+    gpu1; a KIND_CPU group no GPU, so another model filling gpu0's memory does not hold its scale-ups and it gets
+    the CPU as its device, unless its own stubs hold memory on a GPU in NVML's process lists (a Python model that
+    moves its work to the GPU itself); KIND_MODEL (the model places its instances) every GPU, as before."""
+    from test_loop_ticks import LOOP, Clock, FakeControl, FakeModel, FakeScraper, HOT, run_ticks
+    from controller.config import ControllerConfig, ServerConfig
+    from controller.gpu import FakeGpuSource
+    from controller.loop import Controller
+    from controller.types import GpuObservation
+
+    names = ["c", "cg", "g0", "g1", "km"]
+    gib = 1 << 30
+    # FakeCpu's stub pids: 200 + the model's place in sorted order: "c" 200, "cg" 201, ...
+    gpus = (GpuObservation(0, 90.0, int(7.9 * gib), 8 * gib, ((100, gib), (201, gib))),
+            GpuObservation(1, 20.0, 2 * gib, 8 * gib, ((100, gib),)))
+    control = FakeControl(names)
+    control.configs["g0"]["instance_group"] = [{"count": 1, "kind": "KIND_GPU", "gpus": [0]}]
+    control.configs["g1"]["instance_group"] = [{"count": 1, "kind": "KIND_GPU", "gpus": [1]}]
+    control.configs["km"]["instance_group"] = [{"count": 1, "kind": "KIND_MODEL"}]
+    clock = Clock()
+    # every model over its 40-ms target (60 ms a request): each wants a second instance
+    fakes = {n: FakeModel(100.0, 60.0, 5.0) for n in names}
+    cfg = ControllerConfig(server=ServerConfig(), loop=LOOP,
+                           models={n: HOT for n in names})
+    ctl = Controller(cfg, control=control, scraper=FakeScraper(clock, fakes), clock=clock,
+                     cpu=FakeCpu({n: 0.5 for n in names}), gpu=FakeGpuSource([gpus]))
+    run_ticks(ctl, clock, 8)
+    seen = {n: tuple(g.index for g in ctl.models[n].last_obs.gpus) for n in names}
+    assert seen == {"c": (), "cg": (0,), "g0": (0,), "g1": (1,), "km": (0, 1)}
+    assert ctl.models["c"].last_obs.cpu is not None                     # the CPU is its device
+    assert all(ctl.models[n].last_obs.cpu is None for n in ("cg", "g0", "g1", "km"))
+    grown = {m for m, s in control.loads if s.instance_count == 2}
+    assert {"c", "g1"} <= grown                                         # gpu0's full memory is not theirs
+    assert not grown & {"cg", "g0"}, control.loads                      # on gpu0, at its budget

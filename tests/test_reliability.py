@@ -269,10 +269,12 @@ def test_gpu_reads_that_start_raising_fall_back_logged_once(sim_server, tmp_path
         controller.run(threading.Event(), max_ticks=6)
         mm = controller.models[MODEL]
         assert mm.last_obs is not None and mm.last_obs.valid, mm.last_obs
-        assert mm.last_obs.gpus == gpu0                       # NVML data used while it works
+        assert controller._last_devices == gpu0              # NVML data read while it works (sim_accel's
+        assert mm.last_obs.gpus == ()                          # KIND_CPU group reads no GPU: Controller._model_devices)
         controller.run(threading.Event(), max_ticks=8)         # now every read raises
         assert fake.calls == 14                                # the ticks went on, one read each
-        assert mm.last_obs.valid and mm.last_obs.gpus == ()    # decisions go on without GPU signals
+        assert controller._last_devices == ()
+        assert mm.last_obs.valid                               # decisions go on without GPU signals
         assert mm.last_decision is not None and mm.last_decision.valid
     finally:
         controller.close()
