@@ -24,16 +24,24 @@ The rule (n = live instance count, N = ceiling, a = arrival rate, T = p99 target
   nothing about how many pods are missing; 2 lets the fleet at most double per evaluation of the HPA;
 * **at the ceiling, within the target**: capacity = ``max(C_N, a / f)`` (at least what was served,
   at least the current rate extrapolated to full load), ``u = a / capacity``; u >= 1 only when
-  the extrapolation says so (f >= 1), and then `saturated`;
+  the extrapolation says so (f >= 1), and then `saturated`; with the planner's figure, ``max(C_N, a)``
+  instead (below);
 * **below the ceiling** (an instance can still be added): capacity at N is the planner's prediction for
   N instances when given, else estimated as ``max(C_N, max(C_n, a / f) x N / n)`` (what the live count
   does, scaled by the instances still available: optimistic, since a device's capacity does not grow
   linearly: 1 sim_accel instance at 200 req/s extrapolated to ~4,600 req/s at 8, where the planner,
-  which knows the instances share one device, predicted ~2,000); never less than ``max(C_n, a / f)``,
-  what the live count already does; and
+  which knows the instances share one device, predicted ~2,000); never less than what the live count has
+  been measured to do: ``C_n``, and ``a`` while within the target; and
   ``u = min(a / capacity, HEADROOM_MAX)``: below 1 by construction, so a fleet scaler with a target
   of about 0.8 (HPA tolerance 10%: scale-out above 0.88) never adds a pod while the tuner can still
   add an instance.
+
+Why the planner's figure is not floored by ``a / f``: f = p / T reads the p99 as growing in proportion to the
+load, where at a light load the p99 is the service time and the queue's growth comes late and steep. A light
+load so extrapolates far past what the instances carry (seen: resnet_tiny at 300 req/s, p99 5 ms of a 40-ms
+target: 2,400 req/s "extrapolated" on 2 CPU cores, where the planner, which models the queue, put 8 instances
+at ~980): a capacity too high is a utilisation too low, and the fleet scaler adds pods too late. Without the
+planner it is the only estimate there is, and stays.
 
 Utilisation is None (the gauge absent, not zero) while there is no valid observation.
 
@@ -105,26 +113,31 @@ def utilization(obs: Observation | None, current: Settings | None, ceiling: int,
     source = "measured"
     if planned_capacity_rps is not None and planned_capacity_rps > 0:
         c_n, source = planned_capacity_rps, "planner"
+    planned = source == "planner"
+    within = a if p_t is not None and p_t < 1.0 else None     # served now, within the target: measured
     if n >= ceiling:
         if p_t is not None and p_t >= 1.0:
             u = max(1.0, min(SATURATED_MAX, max(a / c_n if c_n else 1.0, p_t)))
             return Capacity(u, c_n, True, p_t, ceiling, held, "saturated")
-        extrapolated = a / f if f > 0 else None
+        extrapolated = within if planned else (a / f if f > 0 else None)
         cap = max(x for x in (c_n, extrapolated, 0.0) if x is not None)
         if extrapolated is not None and (c_n is None or extrapolated > c_n):
-            source = "extrapolated"
+            source = "measured" if planned else "extrapolated"
         if a <= 0:
             return Capacity(0.0, cap or None, False, p_t, ceiling, held, source)
         u = a / cap if cap > 0 else 1.0
-        return Capacity(u, cap, u >= 1.0, p_t, ceiling, held, source)
+        # why: saturated is the extrapolation's word (f >= 1); within the target, the planner's figure under the
+        # rate served reads 1.0, at the limit, not past it
+        return Capacity(u, cap, u >= 1.0 and not planned, p_t, ceiling, held, source)
     # below the ceiling: the tuner still has instances to add
     now_served = served_max(points, n)
-    now_cap = max(x for x in (now_served, a / f if f > 0 else None, 0.0) if x is not None)
-    if source == "planner":
-        cap = max(c_n, now_cap)
-        if c_n < now_cap:
-            source = "measured" if now_served is not None and now_served >= now_cap else "extrapolated"
+    if planned:
+        floor = max(x for x in (now_served, within, 0.0) if x is not None)
+        cap = max(c_n, floor)
+        if c_n < floor:
+            source = "measured"
     else:
+        now_cap = max(x for x in (now_served, a / f if f > 0 else None, 0.0) if x is not None)
         scaled = now_cap * ceiling / max(n, 1)
         cap = max(c_n or 0.0, scaled)
         if (c_n or 0.0) < scaled:
