@@ -38,10 +38,10 @@ The rule (n = live instance count, N = ceiling, a = arrival rate, T = p99 target
 
 Why the planner's figure is not floored by ``a / f``: f = p / T reads the p99 as growing in proportion to the
 load, where at a light load the p99 is the service time and the queue's growth comes late and steep. A light
-load so extrapolates far past what the instances carry (seen: resnet_tiny at 300 req/s, p99 5 ms of a 40-ms
-target: 2,400 req/s "extrapolated" on 2 CPU cores, where the planner, which models the queue, put 8 instances
-at ~980): a capacity too high is a utilisation too low, and the fleet scaler adds pods too late. Without the
-planner it is the only estimate there is, and stays.
+load so extrapolates far past what the instances carry (seen under `serve`: resnet_tiny at 298.5 req/s, p99 12.6
+ms of a 100-ms target, read 2,365 req/s by that rule on 2 CPU cores, where the planner, which models the queue,
+put its 8 instances at 1,229.7): a capacity too high is a utilisation too low, and the fleet scaler adds pods too
+late. Without the planner it is the only estimate there is, and stays.
 
 Utilisation is None (the gauge absent, not zero) while there is no valid observation.
 
