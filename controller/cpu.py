@@ -87,6 +87,29 @@ class CpuUse:
             return False
         return self.stub_cores[model] / busy_instances >= CPU_BOUND_MIN
 
+    def contention(self, model: str, busy_instances: float) -> float | None:
+        """How much longer each execution takes when a second instance of `model` executes beside one, from the
+        cores: an execution uses c cores (its stubs' cores per instance executing), the cores not busy with anything
+        else (other models, the server's own work, a load generator) number F; one execution alone takes
+        max(1, c / F) of its unhindered time, two at once max(1, 2c / F) each: the contention is their quotient
+        less one, within [0, 1] (`planner.ServiceModel`'s gamma). None where it cannot be read (no stub of its
+        own: a backend inside the server; an instance that barely executed).
+
+        Why: the contention prior from the utilisation (gamma = u) cannot see threads. A torch model with torch's
+        default threads (one per core) keeps all the cores busy while it executes, at any utilisation: two such
+        instances take turns at best and oversubscribe at worst (the MLP of scripts/scenarios/repos/cpu_mlp: one
+        instance 67% busy, gamma 0.67 from the utilisation, the two measured 1.00, each execution ~5x as long).
+        Example: 2 cores, 67% busy (1.34 cores), the MLP's stubs 1.19 cores at 0.7 instances executing: c = 1.7,
+        F = 2 - 0.15 = 1.85, one alone 1.0, two 3.4 / 1.85 = 1.84: 0.84. resnet_tiny (one torch thread) at 0.72
+        instances executing, 0.58 cores, 43% busy: c = 0.8, F = 2 - 0.28 = 1.72, two 0.93: 0."""
+        own = self.stub_cores.get(model)
+        if own is None or busy_instances < MIN_BUSY_INSTANCES:
+            return None
+        per_exec = own / busy_instances
+        free = max(0.1, self.cores - max(0.0, self.utilisation * self.cores - own))
+        one, two = max(1.0, per_exec / free), max(1.0, 2.0 * per_exec / free)
+        return min(1.0, max(0.0, two / one - 1.0))
+
     def share(self, model: str) -> float | None:
         """The model's part of the device's busy time: its stubs' share of the server's part (the server process's
         own work, its frontends and batchers, split as the stubs' is); None where no stub says (in-process

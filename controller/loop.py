@@ -760,7 +760,9 @@ class Controller:
         if self.config.loop.owner_mark and not self._may_act(mm, obs, now):
             return None
         inputs = (mm.observer.plan_inputs(mm.batch_limit, self.config.loop.interval_s, self._device_fraction(mm, obs),
-                                          planner.CPU_SHARE if obs.cpu is not None else planner.DEVICE_SHARE)
+                                          planner.CPU_SHARE if obs.cpu is not None else planner.DEVICE_SHARE,
+                                          None if obs.cpu is None else
+                                          obs.cpu.contention(mm.name, obs.busy_fraction * mm.current.instance_count))
                   if self.config.loop.planner else None)
         mm.plan_inputs = inputs
         decision, mm.state = policy.decide(obs, mm.current, mm.state, mm.limits, self.config.loop, now, mm.batch_limit,

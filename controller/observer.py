@@ -163,13 +163,14 @@ class ModelObserver:
             self.forecast = self.forecast.update(now, tick.arrival_rps)
 
     def plan_inputs(self, max_batch_size: int, interval_s: float, device_fraction: float | None = None,
-                    device_share: float = DEVICE_SHARE) -> PlanInputs:
+                    device_share: float = DEVICE_SHARE, contention_floor: float | None = None) -> PlanInputs:
         """What the planner needs from this observer: every measured service curve and the forecast."""
         fits = tuple((s, f) for s in self.service.configs() if (f := self.service.fit(s)) is not None)
         jitters = tuple((s, j) for s in self._jitter if (j := self.jitter(s)) is not None)
         return PlanInputs(fits=fits, forecast=self.forecast, max_batch=max_batch_size, interval_s=interval_s,
                           device_fraction=device_fraction, jitters=jitters, items_per_request=self.items_per_request,
-                          implicit_us=self.implicit_us, device_share=device_share)
+                          implicit_us=self.implicit_us, device_share=device_share,
+                          contention_floor=contention_floor)
 
     def jitter(self, settings: Settings) -> Jitter | None:
         """The configuration's execution jitter: of its last JITTER_KEPT windows' estimates, the one with the

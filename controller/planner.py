@@ -395,7 +395,9 @@ class ServiceModel:
     `DEFAULT_CONTENTION` without a utilisation reading. Example: the torch MLP of scripts/scenarios/repos/cpu_mlp,
     one instance keeping the 2 cores 67% busy: gamma 0.67, two instances each 1.67x as slow (1.2x one's capacity,
     where the default 0.1 said 1.8x); they measured 1.00, the cap (each execution ~5x as long: 2 x 2 torch threads
-    on 2 cores, an oversubscription no utilisation shows).
+    on 2 cores, an oversubscription no utilisation shows). Where the device is the CPU the cores say more
+    (`contention_floor`, `cpu.CpuUse.contention`: the cores an execution uses against those free): the prior is
+    the larger of the two, "cores" where that one is. The same MLP: 1.7 cores per execution of 1.85 free: 0.84.
 
     Example: 2 instances measured at s(1) = 8.0 ms, 4 instances at 10.4 ms: r = 1.3 = (1 + 3g) /
     (1 + g) -> g = 0.3 / 1.7 = 0.176. Six instances are then predicted at s_4(b) * (1 + 5g) / (1 + 3g)
@@ -418,7 +420,7 @@ class ServiceModel:
 
     fits: dict[int, "ServiceFit"]
     gamma: float
-    gamma_source: str            # "measured" | "utilisation" | "default"
+    gamma_source: str            # "measured" | "utilisation" | "cores" | "default"
     jitters: dict[int, "Jitter"] = dataclasses.field(default_factory=dict)   # per count measured
     items: float = 1.0           # items a request carries on average: what `predict` turns the curves' items into
                                  # requests by (`simulate_quantised`), as every rate here is in requests
@@ -428,14 +430,15 @@ class ServiceModel:
     @staticmethod
     def build(fits_by_config: Sequence[tuple[Settings, "ServiceFit"]], device_util: float | None,
               jitter_by_config: Sequence[tuple[Settings, "Jitter"]] = (), items: float = 1.0,
-              implicit_us: int = 0, device_share: float = DEVICE_SHARE) -> "ServiceModel":
+              implicit_us: int = 0, device_share: float = DEVICE_SHARE,
+              contention_floor: float | None = None) -> "ServiceModel":
         per_count: dict[int, ServiceFit] = {}
         for s, fit in fits_by_config:
             best = per_count.get(s.instance_count)
             if best is None or fit.executions > best.executions:
                 per_count[s.instance_count] = fit
         jitters = jitter_per_count(jitter_by_config)
-        model = ServiceModel._build(per_count, device_util, device_share)
+        model = ServiceModel._build(per_count, device_util, device_share, contention_floor)
         model = dataclasses.replace(model, fits=ServiceModel._shaped(per_count),
                                     items=max(1.0, items) if math.isfinite(items) else 1.0,
                                     implicit_us=max(0, int(implicit_us)))
@@ -462,7 +465,7 @@ class ServiceModel:
 
     @staticmethod
     def _build(per_count: dict[int, "ServiceFit"], device_util: float | None,
-               device_share: float = DEVICE_SHARE) -> "ServiceModel":
+               device_share: float = DEVICE_SHARE, contention_floor: float | None = None) -> "ServiceModel":
         gammas = []
         counts = sorted(per_count)
         for i, m1 in enumerate(counts):
@@ -479,8 +482,12 @@ class ServiceModel:
         if gammas:
             return ServiceModel(per_count, float(np.median(gammas)), "measured")
         if device_util is not None and math.isfinite(device_util):
-            return ServiceModel(per_count, min(1.0, max(0.0, device_util)) * device_share, "utilisation")
-        return ServiceModel(per_count, DEFAULT_CONTENTION, "default")
+            prior = ServiceModel(per_count, min(1.0, max(0.0, device_util)) * device_share, "utilisation")
+        else:
+            prior = ServiceModel(per_count, DEFAULT_CONTENTION, "default")
+        if contention_floor is not None and math.isfinite(contention_floor) and contention_floor > prior.gamma:
+            return ServiceModel(per_count, min(1.0, contention_floor), "cores")
+        return prior
 
     def curve(self, n: int) -> Callable[[float], float] | None:
         """s_n(b) in ms, or None when no count has been measured."""
@@ -1022,6 +1029,7 @@ class PlanInputs:
     items_per_request: float = 1.0           # items a request carries on average (`simulate_quantised`)
     implicit_us: int = 0                     # the batcher's wait beyond its delay, as measured (`implicit_step`)
     device_share: float = DEVICE_SHARE       # the share of an execution on the device (CPU_SHARE where it is the CPU)
+    contention_floor: float | None = None    # the contention the free cores imply (`cpu.CpuUse.contention`; CPU only)
 
 
 @dataclass(frozen=True)
@@ -1110,7 +1118,7 @@ def choose(live: Settings, arrival_rps: float, inputs: PlanInputs, state: Planne
     800 ms late: a p99 of 734 ms over the run against 20 ms where the same model held 3 x 0us.
     """
     model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request, inputs.implicit_us,
-                               inputs.device_share)
+                               inputs.device_share, inputs.contention_floor)
     if live.instance_count not in model.fits:
         return fallback("too little data: no service curve measured for the live instance count yet", state)
     factor, raw = correction(state, now)
@@ -1425,7 +1433,7 @@ def _live_model(live: Settings, inputs: PlanInputs, state: PlannerState, device_
     """The service model, the correction factor and the device share that predictions around the live
     configuration use (as in `choose`); None without a measured curve for the live count."""
     model = ServiceModel.build(inputs.fits, device_util, inputs.jitters, inputs.items_per_request, inputs.implicit_us,
-                               inputs.device_share)
+                               inputs.device_share, inputs.contention_floor)
     if live.instance_count not in model.fits:
         return None
     factor, _ = correction(state, now)

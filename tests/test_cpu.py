@@ -203,6 +203,35 @@ def test_the_cpu_is_the_device_of_a_model_whose_executions_use_it():
     assert not use.runs_on_cpu("resnet_tiny", 0.01)
 
 
+def test_the_cores_an_execution_uses_against_those_free_give_the_contention_of_a_second_instance():
+    """`CpuUse.contention`, the docstring's examples: the MLP (torch's 2 threads on 2 cores) 0.84; resnet_tiny (one
+    thread) 0; an execution alone already short of cores (3 cores' worth on 2 free): two halve what one gets, 1.0;
+    the cores busy with something else leave fewer free; no stub of its own, or barely executing: None."""
+    mlp = CpuUse(0.67, 2.0, 0.9, {"mlp": 1.0}, 10.0, {"mlp": 1.19})
+    assert mlp.contention("mlp", 0.7) == pytest.approx(3.4 / 1.85 - 1.0)
+    assert round(mlp.contention("mlp", 0.7), 2) == 0.84
+    resnet = CpuUse(0.43, 2.0, 0.9, {"resnet_tiny": 1.0}, 10.0, {"resnet_tiny": 0.58})
+    assert resnet.contention("resnet_tiny", 0.72) == 0.0
+    wide = CpuUse(0.75, 2.0, 1.0, {"m": 1.0}, 10.0, {"m": 1.5})
+    assert wide.contention("m", 0.5) == pytest.approx(1.0)                      # 3 cores per execution: 1.5 -> 3.0
+    crowded = CpuUse(0.8, 2.0, 0.5, {"r": 1.0}, 10.0, {"r": 0.4})               # 1.2 cores busy with other work
+    assert crowded.contention("r", 0.5) == pytest.approx(1.6 / 0.8 - 1.0)       # 0.8 per execution of 0.8 free
+    assert resnet.contention("onnx_model", 0.7) is None                         # in-process: no stub
+    assert resnet.contention("resnet_tiny", 0.01) is None
+
+
+def test_the_cores_raise_the_contention_prior_never_lower_it_nor_a_measured_one():
+    fits = [(Settings(1, 0), fit_service({1: (100, 5.0), 2: (100, 8.0)}))]
+    assert ServiceModel.build(fits, 0.67, device_share=CPU_SHARE, contention_floor=0.84).gamma == pytest.approx(0.84)
+    assert ServiceModel.build(fits, 0.67, device_share=CPU_SHARE, contention_floor=0.84).gamma_source == "cores"
+    low = ServiceModel.build(fits, 0.43, device_share=CPU_SHARE, contention_floor=0.0)
+    assert (low.gamma, low.gamma_source) == (pytest.approx(0.43), "utilisation")
+    assert ServiceModel.build(fits, None, contention_floor=0.5).gamma_source == "cores"
+    two = fits + [(Settings(2, 0), fit_service({1: (100, 6.0), 2: (100, 9.6)}))]
+    measured = ServiceModel.build(two, 0.67, device_share=CPU_SHARE, contention_floor=0.84)
+    assert measured.gamma_source == "measured" and measured.gamma == pytest.approx(0.2)
+
+
 def test_cpu_use_share_is_the_servers_part_times_the_stubs():
     use = CpuUse(0.9, 2.0, 0.8, {"a": 0.75, "b": 0.25}, 10.0)
     assert use.share("a") == pytest.approx(0.6) and use.share("b") == pytest.approx(0.2)
@@ -254,6 +283,8 @@ def test_the_loop_gives_a_cpu_model_the_cpu_as_its_device_and_only_without_a_gpu
     assert use.stubs == pytest.approx({"a": 0.9 / 1.22, "b": 0.3 / 1.22, "s": 0.02 / 1.22})
     assert ctl._device_fraction(a, a.last_obs) == pytest.approx(1.4 / 1.8 * 0.9 / 1.22)
     assert a.plan_inputs.device_share == CPU_SHARE
+    busy = a.last_obs.busy_fraction * a.current.instance_count
+    assert a.plan_inputs.contention_floor == pytest.approx(use.contention("a", busy)) and busy > 0
     logged = summarize_obs(a.last_obs)["cpu"]
     assert logged == {"util": 0.9, "cores": 2.0, "server": 0.778, "stubs": {"a": 0.738, "b": 0.246, "s": 0.016}}
     snap = ctl.status_snapshot()["models"]["a"]
@@ -262,6 +293,7 @@ def test_the_loop_gives_a_cpu_model_the_cpu_as_its_device_and_only_without_a_gpu
            "this model's instances 74% of its models'" in text
     s = ctl.models["s"]                                            # busy on something else: no device, as before
     assert s.last_obs.valid and s.last_obs.cpu is None and s.plan_inputs.device_share == DEVICE_SHARE
+    assert s.plan_inputs.contention_floor is None
     assert ctl._device_fraction(s, s.last_obs) is None
 
     gpu = FakeGpuSource([(GpuObservation(0, 40.0, 1 << 30, 8 << 30),)])
