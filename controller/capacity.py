@@ -30,8 +30,11 @@ The rule (n = live instance count, N = ceiling, a = arrival rate, T = p99 target
   N instances when given, else estimated as ``max(C_N, max(C_n, a / f) x N / n)`` (what the live count
   does, scaled by the instances still available: optimistic, since a device's capacity does not grow
   linearly: 1 sim_accel instance at 200 req/s extrapolated to ~4,600 req/s at 8, where the planner,
-  which knows the instances share one device, predicted ~2,000); never less than what the live count has
-  been measured to do: ``C_n``, and ``a`` while within the target; and
+  which knows the instances share one device, predicted ~2,000), and by ``c(n) / c(N)`` where the
+  contention between instances is known (`contention`, the planner's gamma: c(k) = 1 + gamma (k - 1), each
+  execution that much longer with k instances; measured, or read from the device, even while the planner's
+  p99 is set aside); never less than what the live count has been measured to do: ``C_n``, and ``a`` while
+  within the target; and
   ``u = min(a / capacity, HEADROOM_MAX)``: below 1 by construction, so a fleet scaler with a target
   of about 0.8 (HPA tolerance 10%: scale-out above 0.88) never adds a pod while the tuner can still
   add an instance.
@@ -57,6 +60,8 @@ Worked example (target 100 ms, max_instances 2, so N = 2):
   saturated: an HPA at target 0.8 with 2 such pods wants ceil(2 x 2.0 / 0.8) = 5 pods.
 * 2 instances, 10 req/s afterwards, p99 25 ms: capacity = max(120, 10 / 0.25) = 120: u = 0.08;
   two such pods: ceil(2 x 0.08 / 0.8) = 1 pod.
+* the first example with a contention of 1.0 (a torch model using every core: two instances take turns):
+  capacity at 2 = 105.9 x 2 / 1 x c(1) / c(2) = 105.9 req/s, u = 0.85 (the bound; linearly it read 0.42).
 """
 from __future__ import annotations
 
@@ -99,7 +104,7 @@ def served_max(points: Iterable, instances: int) -> float | None:
 
 def utilization(obs: Observation | None, current: Settings | None, ceiling: int, p99_target_ms: float,
                 points: Iterable = (), held_by: Cap | None = None,
-                planned_capacity_rps: float | None = None) -> Capacity | None:
+                planned_capacity_rps: float | None = None, contention: float | None = None) -> Capacity | None:
     """This model's utilisation of the pod's capacity at its ceiling; None while unknown."""
     if obs is None or not obs.valid or current is None or ceiling < 1:
         return None
@@ -139,6 +144,8 @@ def utilization(obs: Observation | None, current: Settings | None, ceiling: int,
     else:
         now_cap = max(x for x in (now_served, a / f if f > 0 else None, 0.0) if x is not None)
         scaled = now_cap * ceiling / max(n, 1)
+        if contention is not None and contention > 0:
+            scaled *= (1 + contention * (max(n, 1) - 1)) / (1 + contention * (ceiling - 1))
         cap = max(c_n or 0.0, scaled)
         if (c_n or 0.0) < scaled:
             source = "extrapolated"

@@ -825,8 +825,13 @@ class Controller:
         # fleet scaler's figure either (a stateful model's sequence slots: 12x off, its capacity read 1.6%)
         planned = (p["at_ceiling_rps"] if p is not None and p["live"] == mm.current and p["ceiling"] == ceiling
                    and decision.mode != "fallback" else None)
+        # why: the contention between instances holds where the planner's p99 does not; the default (no reading) is
+        # not one, and the linear extrapolation stays there
+        gamma = (planner.contention(mm.plan_inputs, policy.device_utilisation(obs))
+                 if planned is None and mm.plan_inputs is not None and obs.valid else None)
         cap = capacity_mod.utilization(obs, mm.current, ceiling, mm.limits.p99_target_ms, mm.state.perf,
-                                       decision.held_by, planned_capacity_rps=planned)
+                                       decision.held_by, planned_capacity_rps=planned,
+                                       contention=gamma[0] if gamma is not None and gamma[1] != "default" else None)
         if cap is not None:
             mm.capacity, mm.capacity_t = cap, now
         elif mm.capacity_t is None or now - mm.capacity_t > CAPACITY_STALE_WINDOWS * self.config.loop.window_s:

@@ -1441,6 +1441,15 @@ def _live_model(live: Settings, inputs: PlanInputs, state: PlannerState, device_
     return model, factor, device
 
 
+def contention(inputs: PlanInputs, device_util: float | None) -> tuple[float, str] | None:
+    """The contention between instances the planner's service model uses (`ServiceModel.gamma`) and where it comes
+    from ("measured", "utilisation", "cores", "default"); None without a measured curve. Read apart from the choice:
+    the fleet scaler's figure scales by it where the planner's p99 is set aside (capacity.py)."""
+    model = ServiceModel.build(inputs.fits, device_util, device_share=inputs.device_share,
+                               contention_floor=inputs.contention_floor)
+    return (model.gamma, model.gamma_source) if model.fits else None
+
+
 def capacities(live: Settings, inputs: PlanInputs, state: PlannerState, *, target_ms: float, min_instances: int,
                max_instances: int, device_util: float | None, exec_rps: float, avg_batch: float,
                now: float, also: Iterable[int] = ()) -> dict[int, float | None]:

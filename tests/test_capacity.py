@@ -138,6 +138,25 @@ def test_below_the_ceiling_the_planner_replaces_the_linear_extrapolation():
     assert small.utilization <= HEADROOM_MAX and not small.saturated
 
 
+def test_below_the_ceiling_without_the_planner_the_instances_scale_by_their_contention():
+    """The docstring's last example: where the planner's figure is not given (set aside) the live count's capacity
+    scales to the ceiling by c(n) / c(N), c(k) = 1 + gamma (k - 1): with gamma 1.0 (instances that take turns on
+    the device) the ceiling adds nothing; 0 (or unknown) is linear, as before."""
+    turns = utilization(obs(90, 85), Settings(1, 0), 2, T, contention=1.0)
+    assert turns.capacity_rps == pytest.approx(90 / 0.85) and turns.utilization == pytest.approx(HEADROOM_MAX)
+    assert utilization(obs(90, 85), Settings(1, 0), 2, T, contention=0.0).capacity_rps == pytest.approx(2 * 90 / 0.85)
+    # the MLP under serve: 1 instance measured at 372.4 req/s, 8 allowed, gamma 1.00 from the cores: 372.4, not 2,979
+    mlp = utilization(obs(50.3, 26.44), Settings(1, 0), 8, T, [point(1, 372.4)], contention=1.0)
+    assert mlp.capacity_rps == pytest.approx(372.4) and mlp.utilization == pytest.approx(50.3 / 372.4)
+    assert utilization(obs(50.3, 26.44), Settings(1, 0), 8, T, [point(1, 372.4)]).capacity_rps == pytest.approx(8 * 372.4)
+    # 2 of 4 instances, gamma 0.2: x 4/2 x 1.2 / 1.6
+    part = utilization(obs(100, 50), Settings(2, 0), 4, T, contention=0.2)
+    assert part.capacity_rps == pytest.approx(200 * 2 * 1.2 / 1.6)
+    # a planner's figure, where given, is the capacity: the contention does not enter
+    assert utilization(obs(90, 85), Settings(1, 0), 2, T, planned_capacity_rps=150.0,
+                       contention=1.0).capacity_rps == pytest.approx(150.0)
+
+
 def test_unknown_without_a_valid_observation_and_zero_without_traffic():
     assert utilization(Observation(valid=False), Settings(1, 0), 2, T) is None
     assert utilization(None, Settings(1, 0), 2, T) is None

@@ -664,6 +664,14 @@ def test_the_fleet_scalers_capacity_is_not_the_planners_while_the_planner_is_set
         c._update_capacity(mm, mm.last_obs, Decision(mm.current, "HoldSteady", mode=mode), 8, clock.t)
         assert (mm.capacity.source == "planner") is planner_figure, (mode, mm.capacity)
         assert (mm.capacity.capacity_rps == pytest.approx(mm.predicted["at_ceiling_rps"])) is planner_figure
+    # set aside, the figure scales the live count's to the ceiling: linearly without a contention read (the default
+    # is none), by the contention where one is (here the cores': 1.0, instances that take turns: the ceiling adds none)
+    fallback = Decision(mm.current, "HoldSteady", mode="fallback")
+    c._update_capacity(mm, mm.last_obs, fallback, 8, clock.t)
+    linear = mm.capacity.capacity_rps
+    mm.plan_inputs = dataclasses.replace(mm.plan_inputs, contention_floor=1.0)
+    c._update_capacity(mm, mm.last_obs, fallback, 8, clock.t)
+    assert mm.capacity.capacity_rps == pytest.approx(linear / 8)
 
 
 def test_without_a_models_section_each_model_that_becomes_ready_is_managed(caplog):
