@@ -923,7 +923,7 @@ class Controller:
         if not self.config.loop.warm_up or self.config.loop.dry_run or mm.warm_up is not None \
                 or obs.cold_start is None or obs.loads_warm or mm.live_config is None or not _quiet(decision, obs):
             return False
-        if mm.kind is not None and not mm.kind.managed:
+        if (mm.kind is not None and not mm.kind.managed) or warmup.mild(obs.cold_start, mm.limits.p99_target_ms):
             return False
         samples, what = _warm_up_samples(mm)
         if samples is None:
@@ -1367,6 +1367,11 @@ def warm_up_status(mm: ManagedModel, on: bool = False) -> dict | None:
     if not warmup.has_warmup(cfg) and tried is None:
         obs = mm.last_obs
         if on and cfg is not None and obs is not None and obs.valid and obs.cold_start is not None:
+            if warmup.mild(obs.cold_start, mm.limits.p99_target_ms):
+                more = float(obs.cold_start["ms"]) - float(obs.cold_start["usual_ms"])
+                return {"state": "mild", "live": False,
+                        "detail": f"{more:.1f} ms more an execution, under {warmup.MILD_SHARE:.0%} of the "
+                                  f"{mm.limits.p99_target_ms:g}-ms target"}
             samples, why = _warm_up_samples(mm)
             return {"state": "waiting", "detail": None, "live": False} if samples is not None else \
                 {"state": "cannot", "detail": why, "live": False}

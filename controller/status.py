@@ -536,12 +536,14 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
                         f"{_num(cold.get('usual_ms'), 1)} ms after them")
                 rows.append(("cold start", seen + (": new instances now warm up before they serve (warm-up below)"
                                                    if wu.get("live") else
+                             f": mild ({wu.get('detail')}), not worth the full reload a warm-up takes; none added"
+                             if wu.get("state") == "mild" else
                              ": the controller is adding a warm-up (below); until then every instance a reload starts "
                              "serves its first requests slowly" if wu.get("state") in ("waiting", "reloading") else
                              ": warm the model up before it is ready (in initialize, or Triton's model_warmup); until "
                              "then every instance a reload starts serves its first requests slowly, and the planner "
                              "changes the delay (a full reload) only where it must")))
-            if wu:
+            if wu and wu.get("state") != "mild":
                 rows.append(("warm-up", _warm_up_text(wu)))
         else:
             now = m.get("obs_now")

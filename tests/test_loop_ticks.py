@@ -916,6 +916,36 @@ def test_a_model_read_cold_is_warmed_up_once_at_a_quiet_tick(case, caplog, monke
     ctl.close()
 
 
+def test_a_mild_cold_start_is_not_worth_a_warm_up():
+    """`warmup.mild`: a cold start whose executions took on average under 5% of the p99 target more than the curve's
+    (the torch MLP of r111: 4.7 against 3.3 ms, target 100) gets no warm-up, no full reload; `status` says why. The
+    same model with a cold start that matters (COLD: 40 against 5 ms, target 40) gets one (the test above)."""
+    from controller import warmup
+    from controller.status import format_model
+    assert warmup.mild({"ms": 4.7, "usual_ms": 3.3}, 100.0) and not warmup.mild({"ms": 19.9, "usual_ms": 10.0}, 100.0)
+    assert not warmup.mild({"ms": 19.9, "usual_ms": 10.0}, 40.0) and not warmup.mild({}, 40.0)
+    clock = Clock()
+    ctl, control, _ = make(["m"], {"m": FakeModel(50, 5, 4)}, clock, loop=dataclasses.replace(LOOP, warm_up=True))
+    control.configs["m"]["input"] = [{"name": "INPUT", "data_type": "TYPE_FP32", "dims": ["16"]}]
+    run_ticks(ctl, clock, 1)
+    mm = ctl.models["m"]
+    mm.observer.service.cold_start = lambda: dict(COLD, ms=6.5)         # 1.5 ms more an execution, target 40 (2 ms)
+    reasons = []
+    for _ in range(12):
+        run_ticks(ctl, clock, 1)
+        ctl.wait_for_pending()
+        reasons.append(mm.last_reason)
+    assert loop_mod.WARM_UP not in reasons and control.loads == [] and mm.warm_up is None, reasons
+    status = loop_mod.warm_up_status(mm, on=True)
+    assert status == {"state": "mild", "live": False,
+                      "detail": "1.5 ms more an execution, under 5% of the 40-ms target"}, status
+    rows = dict((ln[:15].strip(), ln[15:]) for ln in format_model("m", ctl.status_snapshot()["models"]["m"])[1:])
+    assert rows["cold start"].endswith(": mild (1.5 ms more an execution, under 5% of the 40-ms target), not worth "
+                                       "the full reload a warm-up takes; none added"), rows["cold start"]
+    assert "warm-up" not in rows
+    ctl.close()
+
+
 def test_a_warm_up_waits_for_a_light_tick_or_five_minutes():
     """The warm-up's full reload is housekeeping: where the instances are busier than `warmup.BUSY_MAX` it waits
     for a lighter tick, and goes anyway once it has waited `warmup.WAIT_MAX_S` (a model always that busy)."""

@@ -171,11 +171,13 @@ def test_live_a_cold_model_is_warmed_up_once_and_its_next_scale_up_serves_warm(t
         assert warmup.ours(live) and 1 in warmup.batch_sizes(live), live.get("model_warmup")
         assert status["live"] and status["by"] == "controller" and status["state"] == "added", status
         # the next scale-ups, in place, under load: each new instance runs the samples before it takes requests,
-        # mostly. Triton 2.51 sometimes lets a request in first: in 1 of 17 scale-ups measured here one request took
-        # 894 ms (the cold execution), so three are made and at most one may hold a late request; without the
-        # warm-up every one does (882 ms, warmup.py)
+        # mostly. Triton 2.51 sometimes lets a request in first: in 1 of 17 scale-ups measured alone one request took
+        # 894 ms (the cold execution), more often beside other work (CI 125: 2 of 3, with CI's other worker), so six
+        # are made and at most three may hold a late request; without the warm-up every one does (882 ms,
+        # warmup.py). Why six and three rather than three and one: at 1 in 5 late (a busy machine) three and one
+        # fail 10% of the runs that work, six and three 2%, and a missing warm-up fails both every time
         cycles = []
-        for seed in (12, 13, 14):
+        for seed in (12, 13, 14, 15, 16, 17):
             load, served = _requests(server, model, 60.0, 7.0, seed=seed)
             time.sleep(2.0)
             began = time.monotonic()
@@ -195,4 +197,4 @@ def test_live_a_cold_model_is_warmed_up_once_and_its_next_scale_up_serves_warm(t
     print("warm-up", [(r["t"], r["action"], r.get("apply_s"), r["detail"]) for r in warmed], "scale-ups",
           [round(took, 2) for _, took, _ in cycles], "late", late, "first load's slowest",
           round(max(r.latency_s for r in first), 3))
-    assert sum(1 for x in late if x) <= 1 and all(len(x) <= 3 for x in late), late
+    assert sum(1 for x in late if x) <= 3 and all(len(x) <= 3 for x in late), late
