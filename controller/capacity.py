@@ -14,7 +14,8 @@ The rule (n = live instance count, N = ceiling, a = arrival rate, T = p99 target
 
 * capacity known from measurement: ``C_k`` = the highest arrival rate served within the target
   (met_target and completion >= 0.95 x arrival) by any point with k instances; a planner's prediction
-  for N instances (`planned_capacity_rps`) replaces it when given;
+  (`planned_capacity_rps`: the most any count up to N is predicted to carry, which can be fewer than N where
+  instances contend) replaces it when given;
 * the current load fraction ``f = p / T`` (how close the live configuration is to its latency limit
   now; the instances' busy fraction only when there is no p99: busy time includes waiting for a
   shared device, so it reads high long before the latency does);

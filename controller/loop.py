@@ -783,7 +783,10 @@ class Controller:
                                             "correction": correction,
                                             # why: no curve yet for the live count (just changed): ask again next tick
                                             "mode": decision.mode, "live": mm.current if caps else None, "ceiling": ceiling,
-                                            "at_ceiling_rps": caps.get(ceiling)}, now
+                                            # the most any count the model may use carries (the ceiling's or
+                                            # fewer: instances that contend can carry less than one), capacity.py
+                                            "at_ceiling_rps": max((v for k, v in caps.items() if k <= ceiling
+                                                                   and v is not None), default=None)}, now
         elif inputs is None:
             mm.predicted = None
         elif mm.predicted is not None:

@@ -551,7 +551,7 @@ def format_model(name: str, m: dict, last: int = 3, models: dict | None = None) 
         if m.get("capacity") is not None:
             c = m["capacity"]
             if isinstance(c, dict):
-                text = (f"{_share(c.get('utilization'))} of this pod's capacity at {c.get('ceiling')} instance(s)"
+                text = (f"{_share(c.get('utilization'))} of this pod's capacity with up to {c.get('ceiling')} instance(s)"
                         + (f" ({_num(c.get('capacity_rps'), 1)} req/s, {c.get('source')})" if c.get("capacity_rps") else "")
                         + ("; SATURATED" if c.get("saturated") else ""))
             else:

@@ -243,10 +243,10 @@ def test_status_shows_the_figure():
     from controller.status import format_model
     c = utilization(obs(300, 150, busy=1.0), Settings(2, 0), 2, T, [point(2, 200)], Cap.MAX)
     rows = dict((ln[:15].strip(), ln[15:]) for ln in format_model("m", dict(SEEN, capacity=c.as_dict()))[1:])
-    assert rows["capacity"] == "150% of this pod's capacity at 2 instance(s) (200.0 req/s, saturated); SATURATED"
+    assert rows["capacity"] == "150% of this pod's capacity with up to 2 instance(s) (200.0 req/s, saturated); SATURATED"
     under = utilization(obs(50, 20, busy=0.2), Settings(2, 0), 2, T, [point(2, 200)])
     rows = dict((ln[:15].strip(), ln[15:]) for ln in format_model("m", dict(SEEN, capacity=under.as_dict()))[1:])
-    assert rows["capacity"] == "20% of this pod's capacity at 2 instance(s) (250.0 req/s, extrapolated)"
+    assert rows["capacity"] == "20% of this pod's capacity with up to 2 instance(s) (250.0 req/s, extrapolated)"
     # a trickle of load reads as what it is, not as "0.00" (seen: 5.2 req/s of 1,673 at 8 instances)
     from controller.status import _share
     assert [_share(x) for x in (5.2 / 1673.2, 0.0, 0.5, None, "x")] == ["0.3%", "0.0%", "50%", "?", "?"]

@@ -636,6 +636,18 @@ def test_the_fleet_scalers_capacity_at_the_ceiling_is_the_planners_not_a_linear_
     assert cap.utilization == pytest.approx(150.0 / cap.capacity_rps)
 
 
+def test_the_fleet_scalers_capacity_is_the_best_count_up_to_the_ceiling(monkeypatch):
+    """Instances that contend can carry less than fewer of them (the MLP under serve, gamma 0.89 from the cores:
+    656.3 req/s at 1 or 2 instances, 397.2 at 8): the pod's capacity is the most any count it may use carries, of
+    those the planner computed, not the ceiling's."""
+    from controller import loop as loop_mod
+    c, clock, mm = _fleet_model()
+    monkeypatch.setattr(loop_mod.planner, "capacities", lambda *a, **k: {1: 656.3, 2: 656.3, 8: 397.2})
+    run_ticks(c, clock, int(loop_mod.PREDICTED_EVERY_S) + 1)
+    assert mm.predicted["at_ceiling_rps"] == 656.3
+    assert mm.capacity.source == "planner" and mm.capacity.capacity_rps == pytest.approx(656.3)
+
+
 def test_the_predicted_row_is_recomputed_when_the_correction_changes_not_only_every_30_s():
     """`status`'s predicted row says what its capacities were multiplied by: seen lagging by up to 30 s ("the tail
     not yet checked" beside a decision already "x the summaries' tail"). Now a new correction recomputes it."""
