@@ -83,9 +83,16 @@ class CpuUse:
         cores: 0.98, on the CPU; sim_accel 0.9 busy on two instances, its stubs 0.09 cores: 0.05, not."""
         if model not in self.stub_cores:
             return True
-        if busy_instances < MIN_BUSY_INSTANCES:
-            return False
-        return self.stub_cores[model] / busy_instances >= CPU_BOUND_MIN
+        per_exec = self.cores_per_execution(model, busy_instances)
+        return per_exec is not None and per_exec >= CPU_BOUND_MIN
+
+    def cores_per_execution(self, model: str, busy_instances: float) -> float | None:
+        """The cores `model`'s stubs used per instance executing over the span (`busy_instances`: the instances' busy
+        fraction x their count); None without a stub of its own or where they executed under MIN_BUSY_INSTANCES."""
+        own = self.stub_cores.get(model)
+        if own is None or busy_instances < MIN_BUSY_INSTANCES:
+            return None
+        return own / busy_instances
 
     def contention(self, model: str, busy_instances: float) -> float | None:
         """How much longer each execution takes when a second instance of `model` executes beside one, from the
@@ -102,11 +109,10 @@ class CpuUse:
         Example: 2 cores, 67% busy (1.34 cores), the MLP's stubs 1.19 cores at 0.7 instances executing: c = 1.7,
         F = 2 - 0.15 = 1.85, one alone 1.0, two 3.4 / 1.85 = 1.84: 0.84. resnet_tiny (one torch thread) at 0.72
         instances executing, 0.58 cores, 43% busy: c = 0.8, F = 2 - 0.28 = 1.72, two 0.93: 0."""
-        own = self.stub_cores.get(model)
-        if own is None or busy_instances < MIN_BUSY_INSTANCES:
+        per_exec = self.cores_per_execution(model, busy_instances)
+        if per_exec is None:
             return None
-        per_exec = own / busy_instances
-        free = max(0.1, self.cores - max(0.0, self.utilisation * self.cores - own))
+        free = max(0.1, self.cores - max(0.0, self.utilisation * self.cores - self.stub_cores[model]))
         one, two = max(1.0, per_exec / free), max(1.0, 2.0 * per_exec / free)
         return min(1.0, max(0.0, two / one - 1.0))
 

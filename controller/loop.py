@@ -1371,9 +1371,8 @@ def warm_up_status(mm: ManagedModel, on: bool = False) -> dict | None:
         obs = mm.last_obs
         if on and cfg is not None and obs is not None and obs.valid and obs.cold_start is not None:
             if warmup.mild(obs.cold_start, mm.limits.p99_target_ms):
-                more = float(obs.cold_start["ms"]) - float(obs.cold_start["usual_ms"])
                 return {"state": "mild", "live": False,
-                        "detail": f"{more:.1f} ms more an execution, under {warmup.MILD_SHARE:.0%} of the "
+                        "detail": f"{warmup.excess_ms(obs.cold_start):.1f} ms more an execution, under {warmup.MILD_SHARE:.0%} of the "
                                   f"{mm.limits.p99_target_ms:g}-ms target"}
             samples, why = _warm_up_samples(mm)
             return {"state": "waiting", "detail": None, "live": False} if samples is not None else \

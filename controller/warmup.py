@@ -58,10 +58,16 @@ def mild(cold: Mapping[str, Any], target_ms: float) -> bool:
     is one a request waits on: sim_cold's 800-ms first execution per instance read 19.9 ms against 10.0 (10 ms
     more on average, diluted by the warm instance beside it; 25% of its 40-ms target). Examples, target 100 ms:
     4.7 against 3.3 ms -> mild; 19.9 against 10.0 -> not."""
+    more = excess_ms(cold)
+    return more is not None and more < MILD_SHARE * float(target_ms)
+
+
+def excess_ms(cold: Mapping[str, Any]) -> float | None:
+    """How much longer a cold start's executions took on average than the curve's (ms); None where unreadable."""
     try:
-        return float(cold["ms"]) - float(cold["usual_ms"]) < MILD_SHARE * float(target_ms)
+        return float(cold["ms"]) - float(cold["usual_ms"])
     except (KeyError, TypeError, ValueError):
-        return False
+        return None
 
 
 def has_warmup(config: Mapping[str, Any] | None) -> bool:
